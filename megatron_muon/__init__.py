@@ -1,0 +1,25 @@
+"""megatron-muon: exact, distributed Muon (and MuonClip) for Megatron-core.
+
+    from megatron_muon import MuonConfig, get_muon_optimizer
+    optimizer = get_muon_optimizer(MuonConfig(lr=..., bf16=True), ddp_model_chunks)
+
+Importing the package has no side effects (the CPU/gloo patches of
+``megatron_muon.testing`` are applied only when asked for).
+"""
+
+from .config import MuonConfig, update_scale
+from .factory import get_muon_optimizer
+from .matrices import Block, LogicalMatrix, register_layout
+from .optimizer import MuonChainedOptimizer, MuonDistributedOptimizer
+
+__all__ = [
+    "Block",
+    "LogicalMatrix",
+    "MuonChainedOptimizer",
+    "MuonConfig",
+    "MuonDistributedOptimizer",
+    "get_muon_optimizer",
+    "register_layout",
+    "update_scale",
+]
+__version__ = "0.1.0"

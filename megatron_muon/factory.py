@@ -1,0 +1,159 @@
+"""``get_muon_optimizer``: build the Muon optimizer for Megatron DDP-wrapped model chunks.
+
+Mirrors ``megatron.core.optimizer.get_megatron_optimizer`` for the distributed optimizer:
+parameter groups come from Megatron's own grouping (weight-decay and learning-rate
+overrides, ``config_overrides``), dense and expert-parallel parameters get one optimizer
+each over their own DDP buffers and data-parallel groups, and the two are chained.
+Within each group, Muon matrices and scalar parameters are separated into sibling groups
+with identical settings, flagged ``muon=True`` / ``False``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from .config import MuonConfig
+from .matrices import collect_muon_params
+from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
+
+
+def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
+    if not model_chunks:
+        raise ValueError("get_muon_optimizer: model_chunks is empty.")
+    for i, chunk in enumerate(model_chunks):
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or not hasattr(chunk, "buffers"):
+            raise TypeError(
+                f"get_muon_optimizer: model chunk {i} ({type(chunk).__name__}) is not wrapped in "
+                "megatron.core.distributed.DistributedDataParallel. Wrap every chunk with "
+                "DistributedDataParallel(config, DistributedDataParallelConfig("
+                "use_distributed_optimizer=True), module=chunk) first."
+            )
+        if not ddp_config.use_distributed_optimizer:
+            raise ValueError(
+                f"get_muon_optimizer: model chunk {i} was wrapped with "
+                "DistributedDataParallelConfig(use_distributed_optimizer=False); the Muon optimizer "
+                "shards its state like Megatron's distributed optimizer and needs "
+                "use_distributed_optimizer=True (Megatron-LM: --use-distributed-optimizer)."
+            )
+        if ddp_config.num_distributed_optimizer_instances != 1:
+            raise NotImplementedError(
+                "get_muon_optimizer: num_distributed_optimizer_instances > 1 is not supported yet."
+            )
+        if getattr(ddp_config, "use_megatron_fsdp", False):
+            raise NotImplementedError("get_muon_optimizer: Megatron-FSDP is not supported.")
+    if config.use_precision_aware_optimizer:
+        raise NotImplementedError("get_muon_optimizer: use_precision_aware_optimizer is not supported.")
+    if config.optimizer_cpu_offload:
+        raise NotImplementedError("get_muon_optimizer: optimizer_cpu_offload is not supported.")
+
+
+def _grad_scaler(config: MuonConfig):
+    """Exactly Megatron's choice: constant if ``loss_scale`` is set, dynamic for fp16."""
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale,
+            min_scale=config.min_loss_scale,
+            growth_factor=2.0,
+            backoff_factor=0.5,
+            growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis,
+        )
+    return None
+
+
+def _split_groups(param_groups: List[dict], muon_ids: set) -> List[dict]:
+    """Each Megatron group becomes a scalar group and a Muon group with the same settings.
+
+    Both siblings exist on every rank (possibly empty), so groups line up across ranks.
+    """
+    out = []
+    for group in param_groups:
+        for is_muon in (False, True):
+            sibling = dict(group)
+            sibling["params"] = [p for p in group["params"] if (id(p) in muon_ids) == is_muon]
+            sibling["muon"] = is_muon
+            out.append(sibling)
+    return out
+
+
+def get_muon_optimizer(
+    config: MuonConfig,
+    model_chunks: List[torch.nn.Module],
+    pg_collection: Optional[ProcessGroupCollection] = None,
+    config_overrides: Optional[Dict] = None,
+    use_gloo_process_groups: bool = True,
+) -> MuonChainedOptimizer:
+    """Build the Muon optimizer for Megatron DDP-wrapped ``model_chunks``.
+
+    Drop-in for ``get_megatron_optimizer(OptimizerConfig(optimizer='adam',
+    use_distributed_optimizer=True, ...), model_chunks)``: the returned optimizer has the
+    same interface (``step()`` -> (update_successful, grad_norm, num_zeros_in_grad),
+    ``zero_grad``, ``get_loss_scale``, ``state_dict``...).
+    """
+    if not isinstance(config, MuonConfig):
+        raise TypeError("get_muon_optimizer expects a megatron_muon.MuonConfig (it extends OptimizerConfig).")
+    _check_model_chunks(model_chunks, config)
+    if config_overrides is None:
+        config_overrides = get_standard_config_overrides(config)
+
+    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        pg_collection, model_chunks, use_gloo_process_groups
+    )
+    if pg_collection is not None:
+        tp_group = pg_collection.tp
+        expt_tp_group = getattr(pg_collection, "expt_tp", tp_group)
+    else:
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        expt_tp_group = parallel_state.get_expert_tensor_parallel_group()
+
+    def tp_size_of(param: torch.nn.Parameter) -> int:
+        return (expt_tp_group if not getattr(param, "allreduce", True) else tp_group).size()
+
+    muon_params, _ = collect_muon_params(model_chunks, config, tp_size_of)
+    muon_ids = {id(mp.param) for mp in muon_params}
+    all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)
+
+    optimizers = []
+    for expert in (False, True):
+        param_groups = [g for g in all_groups if g["is_expert_parallel"] == expert]
+        buffer_name = "expert_parallel_buffers" if expert else "buffers"
+        buffers = {i: getattr(c, buffer_name) for i, c in enumerate(model_chunks) if getattr(c, buffer_name, None)}
+        if not any(g["params"] for g in param_groups) and expert:
+            continue
+        if expert:
+            dp_group, dp_gloo = groups["intra_expt_dp_group"], groups["intra_expt_dp_group_gloo"]
+            mp_rank = groups["expt_tp_pp_group"].rank()
+            ortho_tp = expt_tp_group
+        else:
+            dp_group, dp_gloo = groups["intra_dp_cp_group"], groups["intra_dp_cp_group_gloo"]
+            mp_rank = groups["mp_group"].rank()
+            ortho_tp = tp_group
+        params = {id(p) for g in param_groups for p in g["params"]}
+        opt = MuonDistributedOptimizer(
+            MuonAdamW(param_groups, config),
+            config,
+            _grad_scaler(config),
+            model_chunks,
+            buffers,
+            dp_group,
+            dp_gloo,
+            mp_rank,
+            ortho_tp,
+            [mp for mp in muon_params if id(mp.param) in params],
+            name="expert" if expert else "dense",
+        )
+        # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
+        opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
+        opt.tp_group = tp_group
+        opt.expert_tp_group = expt_tp_group
+        optimizers.append(opt)
+    return MuonChainedOptimizer(optimizers)

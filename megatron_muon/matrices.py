@@ -1,0 +1,392 @@
+"""Logical matrices: which matrices Muon orthogonalizes, and where their pieces live.
+
+A Megatron parameter is a storage tensor, not necessarily one matrix. A fused
+``linear_qkv`` holds Q, K and V of every query group; a gated ``linear_fc1`` holds gate
+and up halves; fused expert storage holds one matrix per expert. Each such matrix is a
+*logical matrix*, and Muon must orthogonalize it whole: across tensor-parallel ranks
+(each holds a slice along the partition dim) and across data-parallel ranks (each holds
+a contiguous byte range of the flattened parameter, the distributed-optimizer shard).
+
+This module describes logical matrices purely in terms of the *local* storage layout,
+which is identical on every rank of an orthogonalization group: a ``LogicalMatrix``
+lists, for each tensor-parallel rank ``t``, the contiguous blocks of rank ``t``'s flat
+parameter storage that form its piece, and the dim along which the pieces of all TP
+ranks concatenate into the full matrix. The planner turns that into who sends what.
+
+Layouts are rules in an open registry (``register_layout``): the first rule that claims
+a parameter decides its matrices. The expert and MLA layouts register themselves the
+same way.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .config import MuonConfig
+
+
+@dataclass(frozen=True)
+class Block:
+    """``rows x cols`` elements starting at ``offset`` of a rank's flat parameter storage."""
+
+    offset: int
+    rows: int
+    cols: int
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass(frozen=True)
+class LogicalMatrix:
+    """One matrix Muon sees, described over the tensor-parallel ranks that hold it.
+
+    ``pieces`` maps a TP rank to the blocks of its local storage that form its piece (the
+    blocks stack along rows). The full matrix is the concatenation of the pieces, in TP
+    rank order, along ``tp_dim``. ``replicated`` marks a parameter that every TP rank
+    holds identically (not tensor-parallel): its matrix is read from TP rank 0 and the
+    update is written to every TP rank.
+    """
+
+    name: str
+    param_name: str
+    pieces: Tuple[Tuple[int, Tuple[Block, ...]], ...]
+    tp_dim: Optional[int]
+    replicated: bool = False
+    transposed: bool = False
+    """True when storage is (in, out) rather than nn.Linear's (out, in) (fused experts)."""
+    role: Optional[str] = None
+    """'q', 'k', 'v', 'gate', 'up', ... (QK-Clip and diagnostics)."""
+    index: Optional[int] = None
+    """Head, query-group or expert index where the matrix is one of several."""
+
+    @property
+    def piece_shape(self) -> Tuple[int, int]:
+        blocks = self.pieces[0][1]
+        return sum(b.rows for b in blocks), blocks[0].cols
+
+    @property
+    def shape(self) -> Tuple[int, int]:
+        """Full shape in storage orientation (what Newton–Schulz sees)."""
+        rows, cols = self.piece_shape
+        if self.tp_dim is None or self.replicated:
+            return rows, cols
+        n = len(self.pieces)
+        return (rows * n, cols) if self.tp_dim == 0 else (rows, cols * n)
+
+    @property
+    def scale_shape(self) -> Tuple[int, int]:
+        """(out, in) for the update scale."""
+        rows, cols = self.shape
+        return (cols, rows) if self.transposed else (rows, cols)
+
+    def blockwise(self) -> List["LogicalMatrix"]:
+        """The per-TP-rank matrices that blockwise mode orthogonalizes instead."""
+        if len(self.pieces) == 1:
+            return [self]
+        return [
+            LogicalMatrix(
+                name=f"{self.name}@tp{t}",
+                param_name=self.param_name,
+                pieces=((t, blocks),),
+                tp_dim=None,
+                transposed=self.transposed,
+                role=self.role,
+                index=self.index,
+            )
+            for t, blocks in self.pieces
+        ]
+
+
+@dataclass
+class ParamContext:
+    """What a layout rule may look at to decide a parameter's logical matrices."""
+
+    name: str
+    param: torch.nn.Parameter
+    module: torch.nn.Module
+    attr: str
+    parent: Optional[torch.nn.Module]
+    parent_attr: Optional[str]
+    model_config: object
+    config: MuonConfig
+    tp_size: int
+
+    @property
+    def partition_dim(self) -> Optional[int]:
+        if getattr(self.param, "tensor_model_parallel", False) and self.tp_size > 1:
+            return int(self.param.partition_dim)
+        return None
+
+    def shape_error(self, expected: str) -> ValueError:
+        return ValueError(
+            f"Parameter {self.name} has local shape {tuple(self.param.shape)}, which contradicts "
+            f"the model config ({expected}, tensor_model_parallel_size={self.tp_size}). Check "
+            "the TransformerConfig passed to the model, or exclude the parameter from Muon "
+            "with MuonConfig.muon_exclude_patterns."
+        )
+
+
+LayoutRule = Callable[[ParamContext], Optional[List[LogicalMatrix]]]
+_LAYOUTS: List[Tuple[str, LayoutRule]] = []
+
+
+def register_layout(name: str, rule: LayoutRule, first: bool = True) -> None:
+    """Add a layout rule. Rules registered with ``first=True`` are tried before older ones."""
+    entry = (name, rule)
+    _LAYOUTS.insert(0, entry) if first else _LAYOUTS.append(entry)
+
+
+def _every_tp(ctx: ParamContext, blocks: Sequence[Block]) -> Tuple[Tuple[int, Tuple[Block, ...]], ...]:
+    return tuple((t, tuple(blocks)) for t in range(ctx.tp_size))
+
+
+def whole_matrix(ctx: ParamContext, blocks: Optional[Sequence[Block]] = None, **kw) -> LogicalMatrix:
+    """The parameter (or the given blocks of it) as one matrix across all TP ranks."""
+    rows, cols = ctx.param.shape
+    blocks = tuple(blocks) if blocks is not None else (Block(0, rows, cols),)
+    dim = ctx.partition_dim
+    return LogicalMatrix(
+        name=kw.pop("name", ctx.name),
+        param_name=ctx.name,
+        pieces=_every_tp(ctx, blocks),
+        tp_dim=dim,
+        replicated=dim is None and ctx.tp_size > 1,
+        **kw,
+    )
+
+
+def _plain_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
+    if ctx.param.dim() != 2:
+        return None
+    return [whole_matrix(ctx)]
+
+
+def _qkv_parts(model_config) -> List[Tuple[str, int]]:
+    """Rows of one query group of a fused QKV weight, in storage order."""
+    heads = model_config.num_attention_heads
+    groups = model_config.num_query_groups or heads
+    d = model_config.kv_channels
+    q = heads // groups * d
+    parts = [("q", q)]
+    if getattr(model_config, "attention_output_gate", False):
+        parts.append(("q_gate", q))
+    return parts + [("k", d), ("v", d)]
+
+
+def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
+    from megatron.core.transformer.attention import SelfAttention
+
+    if not (isinstance(ctx.parent, SelfAttention) and ctx.parent_attr == "linear_qkv"):
+        return None
+    if ctx.attr != "weight" or not ctx.config.muon_split_qkv:
+        return None
+    mc = ctx.model_config
+    heads = mc.num_attention_heads
+    groups = mc.num_query_groups or heads
+    d = mc.kv_channels
+    parts = _qkv_parts(mc)
+    group_rows = sum(r for _, r in parts)
+    rows, cols = ctx.param.shape
+    if groups % ctx.tp_size or rows != groups // ctx.tp_size * group_rows or ctx.partition_dim not in (0, None):
+        raise ctx.shape_error(
+            f"num_query_groups={groups}, num_attention_heads={heads}, kv_channels={d}: expected "
+            f"[{groups // max(ctx.tp_size, 1)} groups x {group_rows} rows, hidden]"
+        )
+    local_groups = groups // ctx.tp_size
+    heads_per_group = heads // groups
+    granularity = ctx.config.muon_qkv_split
+    out: List[LogicalMatrix] = []
+
+    def block(g: int, part_offset: int, part_rows: int) -> Block:
+        return Block((g * group_rows + part_offset) * cols, part_rows, cols)
+
+    offset = 0
+    for role, part_rows in parts:
+        if granularity == "part":
+            blocks = [block(g, offset, part_rows) for g in range(local_groups)]
+            out.append(whole_matrix(ctx, blocks, name=f"{ctx.name}[{role}]", role=role))
+        else:
+            # Each query group (or head) lives on exactly one TP rank.
+            per = heads_per_group if (granularity == "head" and role.startswith("q")) else 1
+            sub_rows = part_rows // per
+            for t in range(ctx.tp_size):
+                for g in range(local_groups):
+                    for h in range(per):
+                        index = (t * local_groups + g) * per + h
+                        b = block(g, offset + h * sub_rows, sub_rows)
+                        out.append(
+                            LogicalMatrix(
+                                name=f"{ctx.name}[{role}{index}]",
+                                param_name=ctx.name,
+                                pieces=((t, (b,)),),
+                                tp_dim=None,
+                                role=role,
+                                index=index,
+                            )
+                        )
+        offset += part_rows
+    return out
+
+
+def glu_halves(ctx: ParamContext, offset: int, rows: int, cols: int, prefix: str = "", index=None):
+    """Gate and up halves of a gated fc1 block (local layout per TP rank: [gate; up])."""
+    half = rows // 2
+    return [
+        whole_matrix(
+            ctx,
+            [Block(offset + i * half * cols, half, cols)],
+            name=f"{ctx.name}{prefix}[{role}]",
+            role=role,
+            index=index,
+        )
+        for i, role in enumerate(("gate", "up"))
+    ]
+
+
+def _glu_fc1_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
+    from megatron.core.transformer.mlp import MLP
+
+    if not (isinstance(ctx.parent, MLP) and ctx.parent_attr == "linear_fc1" and ctx.attr == "weight"):
+        return None
+    if not (ctx.config.muon_split_glu and ctx.model_config.gated_linear_unit):
+        return None
+    rows, cols = ctx.param.shape
+    if rows % 2 or ctx.partition_dim not in (0, None):
+        raise ctx.shape_error("gated_linear_unit: fc1 rows must be [gate; up] halves")
+    return glu_halves(ctx, 0, rows, cols)
+
+
+register_layout("plain", _plain_rule)
+register_layout("glu_fc1", _glu_fc1_rule)
+register_layout("fused_qkv", _fused_qkv_rule)
+
+
+# ---------------------------------------------------------------------------------------
+# Which parameters are Muon matrices
+# ---------------------------------------------------------------------------------------
+
+
+def is_muon_param(name: str, param: torch.nn.Parameter, module: torch.nn.Module, config: MuonConfig) -> bool:
+    """Default choice: 2-D weights of linear layers; embeddings, the output layer, norms,
+    biases and (unless configured) the MoE router go to the scalar optimizer."""
+    from megatron.core.transformer.moe.router import Router
+
+    if config.muon_param_filter is not None:
+        return bool(config.muon_param_filter(name, param))
+    if any(fnmatch.fnmatch(name, pattern) for pattern in config.muon_exclude_patterns):
+        return False
+    if param.dim() < 2 or getattr(param, "is_embedding_or_output_parameter", False):
+        return False
+    if isinstance(module, torch.nn.Embedding) or type(module).__name__.endswith("Embedding"):
+        return False
+    if isinstance(module, Router):
+        return config.muon_router_optimizer == "muon"
+    return True
+
+
+def _module_index(model: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, str, Optional[torch.nn.Module], Optional[str]]]:
+    """name -> (owning module, attr, parent of owning module, owning module's attr in parent)."""
+    modules = dict(model.named_modules())
+    index = {}
+    for mod_name, module in modules.items():
+        parent_name, _, parent_attr = mod_name.rpartition(".")
+        parent = modules.get(parent_name) if mod_name else None
+        for attr, param in module.named_parameters(recurse=False):
+            full = f"{mod_name}.{attr}" if mod_name else attr
+            index[full] = (module, attr, parent, parent_attr if mod_name else None)
+    return index
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model under Megatron's DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module") and isinstance(chunk.module, torch.nn.Module):
+        chunk = chunk.module
+    return chunk
+
+
+@dataclass
+class MuonParam:
+    """A Muon-managed parameter of one model chunk and its logical matrices."""
+
+    chunk_index: int
+    name: str
+    param: torch.nn.Parameter
+    matrices: List[LogicalMatrix] = field(default_factory=list)
+
+    @property
+    def key(self) -> str:
+        return f"chunk{self.chunk_index}.{self.name}"
+
+
+def _check_tiling(layout_name: str, ctx: ParamContext, matrices: List[LogicalMatrix]) -> None:
+    """Every element of every TP rank's storage belongs to exactly one logical matrix."""
+    numel = ctx.param.numel()
+    for t in range(ctx.tp_size):
+        blocks = sorted(
+            (b for m in matrices for tt, bs in m.pieces if tt == t for b in bs), key=lambda b: b.offset
+        )
+        end = 0
+        for b in blocks:
+            if b.offset != end:
+                break
+            end += b.numel
+        if end != numel or sum(b.numel for b in blocks) != numel:
+            raise ValueError(
+                f"Layout '{layout_name}' does not tile parameter {ctx.name} on tensor-parallel "
+                f"rank {t}: every element must belong to exactly one logical matrix."
+            )
+
+
+def logical_matrices(ctx: ParamContext) -> List[LogicalMatrix]:
+    """The logical matrices of one parameter: the first layout rule that claims it."""
+    for layout_name, rule in _LAYOUTS:
+        matrices = rule(ctx)
+        if matrices is not None:
+            _check_tiling(layout_name, ctx, matrices)
+            return matrices
+    raise ValueError(
+        f"No Muon layout claims parameter {ctx.name} of shape {tuple(ctx.param.shape)} "
+        f"(a {ctx.param.dim()}-D tensor of module {type(ctx.module).__name__}). Fused or "
+        "N-D storage must be described by a layout (megatron_muon.matrices.register_layout) "
+        "so that Muon never orthogonalizes storage as if it were one matrix; or route the "
+        "parameter to AdamW with MuonConfig.muon_exclude_patterns."
+    )
+
+
+def collect_muon_params(
+    model_chunks: Sequence[torch.nn.Module], config: MuonConfig, tp_size_of: Callable[[torch.nn.Parameter], int]
+) -> Tuple[List[MuonParam], List[Tuple[str, torch.nn.Parameter]]]:
+    """Split the trainable parameters of all chunks into Muon params (with their logical
+    matrices) and scalar params (name, param)."""
+    muon, scalar = [], []
+    multi = len(model_chunks) > 1
+    for chunk_index, chunk in enumerate(model_chunks):
+        model = unwrap(chunk)
+        model_config = getattr(model, "config", None)
+        index = _module_index(model)
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                continue
+            module, attr, parent, parent_attr = index[name]
+            if not is_muon_param(name, param, module, config):
+                scalar.append((name, param))
+                continue
+            ctx = ParamContext(
+                name=f"chunk{chunk_index}.{name}" if multi else name,
+                param=param,
+                module=module,
+                attr=attr,
+                parent=parent,
+                parent_attr=parent_attr,
+                model_config=model_config,
+                config=config,
+                tp_size=tp_size_of(param),
+            )
+            muon.append(MuonParam(chunk_index, name, param, logical_matrices(ctx)))
+    return muon, scalar

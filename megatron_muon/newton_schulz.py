@@ -1,0 +1,193 @@
+"""Newton–Schulz orthogonalization: the matrix kernel of Muon.
+
+Muon replaces a momentum matrix ``G = U S V^T`` by (an approximation of) its polar factor
+``U V^T``: same singular vectors, every singular value set to one. Computing an SVD is far
+too slow, so we apply an odd polynomial to the singular values instead, using only matrix
+products:
+
+1. Scale ``G`` by its Frobenius norm, so every singular value lies in ``[0, 1]``.
+2. Repeat ``steps`` times: ``A = X X^T``, ``B = b*A + c*A A``, ``X = a*X + B X``. This is
+   ``X <- a X + b (X X^T) X + c (X X^T)^2 X``, which maps each singular value ``s`` of
+   ``X`` to ``p(s) = a s + b s^3 + c s^5`` and leaves the singular vectors alone.
+
+The coefficients ``(a, b, c)`` decide how fast small singular values are pushed up towards
+one and how close to one they end up. They are data (:data:`COEFFICIENT_SETS`), possibly a
+different triple per step. Keller Jordan's ``quintic`` set deliberately overshoots: it
+makes small values grow fast and leaves the result in a band of roughly 0.7..1.1 rather
+than converging to one, which does not hurt training. Polar Express (Amsel et al. 2025)
+picks each step's polynomial optimally for the interval the values are known to lie in,
+so it gets closer to one in the same number of steps.
+
+When ``G`` is tall (``m > n``) we work on ``G^T`` so that ``X X^T`` is the smaller
+``min(m, n)``-square Gram matrix, and transpose back at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple, Union
+
+import torch
+
+__all__ = [
+    "COEFFICIENT_SETS",
+    "CoefficientSet",
+    "newton_schulz",
+    "newton_schulz_flops",
+    "resolve_coefficients",
+]
+
+Triple = Tuple[float, float, float]
+
+
+@dataclass(frozen=True)
+class CoefficientSet:
+    """A named schedule of ``(a, b, c)`` triples, one per Newton–Schulz step.
+
+    Step ``i`` uses ``steps[i]``; once the schedule is exhausted its last triple repeats.
+    """
+
+    name: str
+    steps: Tuple[Triple, ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps or any(len(t) != 3 for t in self.steps):
+            raise ValueError(f"CoefficientSet {self.name!r} needs at least one (a, b, c) triple.")
+        # Normalise to plain float tuples so equal sets compare and hash equal.
+        object.__setattr__(self, "steps", tuple(tuple(float(v) for v in t) for t in self.steps))
+
+    def for_step(self, i: int) -> Triple:
+        """The triple of step ``i`` (0-based); the last triple repeats past the end."""
+        return self.steps[min(i, len(self.steps) - 1)]
+
+    def schedule(self, num_steps: int) -> Tuple[Triple, ...]:
+        """The triples of the first ``num_steps`` steps."""
+        return tuple(self.for_step(i) for i in range(num_steps))
+
+
+def _with_safety(raw: Tuple[Triple, ...], factor: float) -> Tuple[Triple, ...]:
+    # Polar Express uses p(s / f) instead of p(s), i.e. (a/f, b/f^3, c/f^5), for every
+    # polynomial but the last, so bf16 rounding that nudges a singular value slightly
+    # above its bound cannot make the next polynomial blow it up.
+    scaled = tuple((a / factor, b / factor**3, c / factor**5) for a, b, c in raw[:-1])
+    return scaled + raw[-1:]
+
+
+_KELLER_JORDAN = ((3.4445, -4.7750, 2.0315),)
+
+# Polar Express, arXiv 2505.16932, Algorithm 1: the optimal quintic for each step on
+# [l, u] with l = 1e-3, u = 1 and cushioning, as published (before the safety division).
+# The published list ends with (1.875, -1.25, 0.375), the limit polynomial once l ~ u.
+_POLAR_EXPRESS_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+
+# modded-nanogpt's per-step schedule; Megatron-core / emerging-optimizers call it "quintic".
+_MEGATRON_QUINTIC = (
+    (4.0848, -6.8946, 2.9270),
+    (3.9505, -6.3029, 2.6377),
+    (3.7418, -5.5913, 2.3037),
+    (2.8769, -3.1427, 1.2046),
+    (2.8366, -3.0525, 1.2012),
+)
+
+COEFFICIENT_SETS: Dict[str, CoefficientSet] = {
+    "quintic": CoefficientSet("quintic", _KELLER_JORDAN),
+    # Megatron-core's name for Keller Jordan's set.
+    "simple": CoefficientSet("simple", _KELLER_JORDAN),
+    "polar_express": CoefficientSet("polar_express", _with_safety(_POLAR_EXPRESS_RAW, 1.01)),
+    "megatron_quintic": CoefficientSet("megatron_quintic", _MEGATRON_QUINTIC),
+}
+"""Known coefficient sets by name (the values accepted by ``MuonConfig.muon_coefficient_type``)."""
+
+
+def resolve_coefficients(coefficients: Union[str, CoefficientSet]) -> CoefficientSet:
+    """Look a coefficient set up by name, or pass a :class:`CoefficientSet` through."""
+    if isinstance(coefficients, CoefficientSet):
+        return coefficients
+    try:
+        return COEFFICIENT_SETS[coefficients]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"Unknown Newton–Schulz coefficient set {coefficients!r}; "
+            f"use one of {tuple(COEFFICIENT_SETS)} or pass a CoefficientSet."
+        ) from None
+
+
+def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
+    tall = G.size(-2) > G.size(-1)
+    X = G.mT if tall else G
+    # The norm is taken in fp32: a bf16 sum of squares over a large matrix loses digits,
+    # and an underestimated norm would push singular values above 1, where p() diverges.
+    X = X.float()
+    X = (X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)).to(compute_dtype)
+    # The triples are Python floats fixed for a given config: torch.compile bakes them
+    # into the graph once instead of taking them as inputs (nothing here varies per
+    # training step, so there is nothing to recompile for).
+    # addmm/baddbmm fold the scale-and-add into the GEMM: one bf16 rounding instead of
+    # three (about half the bf16 error of the plain expression) and no extra kernels.
+    fma = torch.baddbmm if X.ndim == 3 else torch.addmm
+    for a, b, c in schedule:
+        A = X @ X.mT
+        B = fma(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
+        X = fma(X, B, X, beta=a)  # a*X + B@X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_kernel() -> Callable[..., torch.Tensor]:
+    # Compiled lazily and once per process; guards then specialise per shape/schedule.
+    return torch.compile(_ns_kernel)
+
+
+def newton_schulz(
+    G: torch.Tensor,
+    steps: int = 5,
+    coefficients: Union[str, CoefficientSet] = "quintic",
+    compute_dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """Approximate the polar factor ``U V^T`` of ``G`` (or of each matrix of a stack).
+
+    Args:
+        G: ``[m, n]`` matrix or ``[B, m, n]`` stack of same-shape matrices; the stack is
+            processed with batched matmuls, each matrix normalised by its own norm.
+        steps: number of Newton–Schulz iterations (0 returns the normalised input).
+        coefficients: a name from :data:`COEFFICIENT_SETS` or a :class:`CoefficientSet`.
+        compute_dtype: dtype of the iteration (bf16 by default; fp32 for exactness).
+        eps: added to the Frobenius norm so an all-zero matrix maps to zero, not NaN.
+        compiled: run a ``torch.compile``-d kernel (compiled on first use, then cached).
+
+    Returns:
+        A tensor of ``G``'s shape and dtype (computed in ``compute_dtype``, then cast).
+    """
+    if G.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz expects a 2-D matrix or 3-D stack, got shape {tuple(G.shape)}.")
+    if steps < 0:
+        raise ValueError(f"newton_schulz steps must be >= 0, got {steps}.")
+    schedule = resolve_coefficients(coefficients).schedule(steps)
+    kernel = _compiled_kernel() if compiled else _ns_kernel
+    return kernel(G, schedule, compute_dtype, eps)
+
+
+def newton_schulz_flops(m: int, n: int, steps: int = 5, batch: int = 1) -> int:
+    """Floating-point operations of one :func:`newton_schulz` call on ``batch`` ``m x n`` matrices.
+
+    Counts only the three matmuls per step, two FLOPs per multiply-add, with
+    ``k = min(m, n)`` and ``l = max(m, n)``: ``X X^T`` (``2 k^2 l``), ``A A`` (``2 k^3``)
+    and ``B X`` (``2 k^2 l``). The elementwise scale/add terms and the normalisation are
+    ``O(k l)`` and left out. Symmetric in ``(m, n)`` since tall inputs are transposed.
+    """
+    k, l = min(m, n), max(m, n)
+    return batch * steps * (4 * k * k * l + 2 * k**3)

@@ -1,0 +1,322 @@
+"""``MuonDistributedOptimizer``: Megatron's DistributedOptimizer, with Muon for the matrices.
+
+Megatron's ``DistributedOptimizer`` already does everything around the update that a
+Megatron user relies on: it shards fp32 master weights and optimizer state over the
+data-parallel ranks (each rank owns a contiguous range of every DDP bucket), copies the
+reduce-scattered gradients into those shards, unscales them and checks for inf/nan
+(fp16 loss scaling), computes the global grad norm and clips, counts zeros, and after
+the update copies master weights back and all-gathers the parameters. We keep all of
+that by subclassing it, and change only the inner update:
+
+* scalar parameters (embeddings, output layer, norms, biases, by default the router)
+  step with ``torch.optim.AdamW`` exactly as in Megatron's distributed optimizer;
+* Muon parameters update their momentum on the local shard, then the ``MuonPipeline``
+  gathers each logical matrix on its owner, orthogonalizes it once and scatters the
+  update back, and every rank applies weight decay and learning rate to its shard.
+
+``get_muon_optimizer`` builds one such optimizer for dense and one for expert-parallel
+parameters and chains them, as ``get_megatron_optimizer`` does for Adam.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import ChainedOptimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+from .config import MuonConfig, update_scale
+from .matrices import MuonParam
+from .pipeline import MuonPipeline
+from .planner import Plan, build_plan, plan_statistics
+from .process_groups import build_ortho_group
+
+logger = logging.getLogger(__name__)
+
+
+class MuonAdamW(torch.optim.AdamW):
+    """The inner optimizer Megatron's DistributedOptimizer drives: AdamW for groups without
+    ``group['muon']``, and a Muon callback (installed by ``MuonDistributedOptimizer`` once
+    the shards exist) for the groups with it."""
+
+    def __init__(self, param_groups: List[dict], config: MuonConfig) -> None:
+        super().__init__(
+            param_groups,
+            lr=config.lr if config.lr is not None else 1e-3,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.muon_step: Optional[Callable[[List[dict]], None]] = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        groups = self.param_groups
+        self.param_groups = [g for g in groups if not g.get("muon", False)]
+        try:
+            super().step()
+        finally:
+            self.param_groups = groups
+        if self.muon_step is None:
+            raise RuntimeError("MuonAdamW.step() called before MuonDistributedOptimizer installed the Muon step")
+        self.muon_step([g for g in groups if g.get("muon", False)])
+
+
+def init_state(opt: MuonAdamW, config=None) -> None:
+    """Allocate optimizer state (for loading checkpoints into a fresh optimizer)."""
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0)
+                if group.get("muon", False):
+                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                else:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def dp_shard_ranges(buffer) -> Dict[torch.nn.Parameter, List[Tuple[int, int]]]:
+    """For every param of a DDP buffer, the flat range of it that each DP rank owns.
+
+    Uses Megatron's own range computation, evaluated for every rank rather than only
+    this one, so every rank knows where every piece lives.
+    """
+    size = buffer.data_parallel_group.size()
+    out: Dict[torch.nn.Parameter, List[Tuple[int, int]]] = {}
+    for bucket in buffer.buckets:
+        per_rank = bucket.grad_data.numel() // size
+        bucket_params = {p: buffer.param_index_map[p] for p in bucket.params}
+        for r in range(size):
+            world = Range(bucket.offset + r * per_rank, bucket.offset + (r + 1) * per_rank)
+            ranges = DistributedOptimizer._build_model_gbuf_param_range_map(bucket_params, world, bucket.offset)
+            for p, rng in ranges.items():
+                out.setdefault(p, [(0, 0)] * size)[r] = (rng["param"].start, rng["param"].end)
+    for p, ranges in out.items():
+        out[p] = [(s, e) if e > s else (0, 0) for s, e in ranges]
+    return out
+
+
+class MuonDistributedOptimizer(DistributedOptimizer):
+    """Megatron's distributed optimizer whose matrix parameters are updated by exact,
+    distributed Muon. Construct with :func:`get_muon_optimizer`."""
+
+    def __init__(
+        self,
+        optimizer: MuonAdamW,
+        config: MuonConfig,
+        grad_scaler,
+        model_chunks: List[torch.nn.Module],
+        per_model_buffers: Dict[int, list],
+        data_parallel_group: dist.ProcessGroup,
+        data_parallel_group_gloo: Optional[dist.ProcessGroup],
+        data_parallel_group_idx: int,
+        tp_group: dist.ProcessGroup,
+        muon_params: Sequence[MuonParam],
+        name: str = "dense",
+    ) -> None:
+        super().__init__(
+            optimizer,
+            config,
+            grad_scaler,
+            init_state,
+            model_chunks,
+            per_model_buffers,
+            data_parallel_group,
+            data_parallel_group_gloo,
+            data_parallel_group_idx,
+            0,
+        )
+        self.name = name
+        self.muon_params = list(muon_params)
+        self.plan, self.pipeline = self._build_pipeline(tp_group)
+        self._shards = self._muon_shards()
+        optimizer.muon_step = self._muon_step
+
+    # ------------------------------------------------------------------ construction
+    def _build_pipeline(self, tp_group: dist.ProcessGroup) -> Tuple[Plan, MuonPipeline]:
+        cfg: MuonConfig = self.config
+        dp_group = self.buffers[0].data_parallel_group if self.buffers else self.data_parallel_group
+        group = build_ortho_group(tp_group, dp_group)
+        ranges: Dict[torch.nn.Parameter, List[Tuple[int, int]]] = {}
+        for buffer in self.buffers:
+            ranges.update(dp_shard_ranges(buffer))
+        dp_ranges = {}
+        for i, mp in enumerate(self.muon_params):
+            if mp.param not in ranges:
+                raise ValueError(
+                    f"Muon parameter {mp.name} is not in any DDP buffer given to this optimizer; "
+                    "wrap every model chunk in megatron.core.distributed.DistributedDataParallel "
+                    "before building the optimizer."
+                )
+            dp_ranges[i] = ranges[mp.param]
+        plan = build_plan(
+            self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel
+        )
+        self._check_plan_agrees(plan)
+        my_dp = group.coords[group.rank][1]
+        local_starts = [dp_ranges[i][my_dp][0] for i in range(len(self.muon_params))]
+        scales = [update_scale(cfg, *job.matrix.scale_shape) for job in plan.jobs]
+        device = self.muon_params[0].param.device if self.muon_params else None
+        pipeline = MuonPipeline(
+            plan,
+            local_starts,
+            scales,
+            cfg.muon_num_ns_steps,
+            cfg.muon_coefficient_type,
+            cfg.muon_ns_dtype,
+            cfg.muon_comm_dtype,
+            cfg.muon_max_inflight_chunks,
+            device,
+        )
+        return plan, pipeline
+
+    def _check_plan_agrees(self, plan: Plan) -> None:
+        """Every rank of the group must have derived the same plan (same model structure)."""
+        g = plan.group
+        if g.size == 1:
+            return
+        prints = [None] * g.size
+        dist.all_gather_object(prints, plan.fingerprint(), group=g.group)
+        if len(set(prints)) != 1:
+            raise RuntimeError(
+                f"Ranks of the {self.name} orthogonalization group derived different Muon plans: the "
+                "model chunks differ in structure between tensor/data-parallel ranks. Build the same "
+                "model on every rank."
+            )
+
+    def _muon_shards(self) -> List[Optional[torch.Tensor]]:
+        """This rank's fp32 main shard of every Muon param (None where it holds nothing)."""
+        main_of_model = {}
+        for models, mains in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
+            main_of_model.update({id(m): s for m, s in zip(models, mains)})
+        for models, mains in zip(self.model_fp32_groups, self.shard_fp32_groups):
+            main_of_model.update({id(m): s for m, s in zip(models, mains)})
+        return [main_of_model.get(id(mp.param)) for mp in self.muon_params]
+
+    # ------------------------------------------------------------------ the Muon step
+    @torch.no_grad()
+    def _muon_step(self, groups: List[dict]) -> None:
+        cfg: MuonConfig = self.config
+        mu = cfg.muon_momentum
+        hyper = {}
+        for group in groups:
+            for p in group["params"]:
+                hyper[id(p)] = (group["lr"], group["weight_decay"])
+        mains, grads, bufs, steps = [], [], [], []
+        for main in self._shards:
+            if main is None or main.grad is None:
+                continue
+            state = self.optimizer.state[main]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(main, dtype=torch.float32)
+                state["step"] = torch.tensor(0.0)
+            mains.append(main)
+            grads.append(main.grad)
+            bufs.append(state["momentum_buffer"])
+            steps.append(state["step"])
+        if bufs:
+            torch._foreach_add_(steps, 1.0)
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            inputs_list = torch._foreach_add(grads, bufs, alpha=mu) if cfg.muon_nesterov else bufs
+        else:
+            inputs_list = []
+        by_main = {id(m): x for m, x in zip(mains, inputs_list)}
+        inputs = [by_main.get(id(m)) if m is not None else None for m in self._shards]
+
+        for main in mains:
+            lr, wd = hyper[id(main)]
+            if wd != 0.0:
+                main.mul_(1.0 - lr * wd)
+
+        shards = self._shards
+
+        def apply(param_index: int, start: int, end: int, update: torch.Tensor) -> None:
+            main = shards[param_index]
+            lr = hyper[id(main)][0]
+            main[start:end].add_(update.to(main.dtype), alpha=-lr)
+
+        self.pipeline.run(inputs, apply)
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def trace(self) -> List[Tuple[str, int]]:
+        """Stage events of the last step, in order: (stage, chunk index)."""
+        return self.pipeline.trace
+
+    @property
+    def traffic(self) -> Dict[str, int]:
+        """Bytes this rank sent in the Muon all-to-alls since the last ``reset_traffic``."""
+        return dict(self.pipeline.traffic)
+
+    def reset_traffic(self) -> None:
+        self.pipeline.traffic.clear()
+
+    def plan_statistics(self) -> Dict[str, object]:
+        return plan_statistics(self.plan)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        """Everything this rank needs to resume at the same parallel layout: the inner
+        optimizer state (momentum, AdamW moments, steps) of its shards, its fp32 master
+        shards, the grad scaler, and a fingerprint of the plan to refuse other layouts."""
+        state = {
+            "inner": self.optimizer.state_dict(),
+            "master": [[t.detach().clone() for t in group] for group in self.shard_fp32_from_float16_groups],
+            "plan": self.plan.fingerprint(),
+            "kind": "megatron_muon.MuonDistributedOptimizer",
+        }
+        if self.grad_scaler:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("kind") != "megatron_muon.MuonDistributedOptimizer":
+            raise ValueError(
+                "This optimizer state was not written by megatron_muon's MuonDistributedOptimizer "
+                "(for a Megatron AdamW checkpoint, convert it with tools/convert_checkpoint.py adam-to-muon)."
+            )
+        if state_dict["plan"] != self.plan.fingerprint():
+            raise ValueError(
+                "The optimizer state was saved with a different parallel layout or model; "
+                "state_dict()/load_state_dict() resume only at the same layout. Use the "
+                "distributed checkpoint (sharded_state_dict) to change layouts."
+            )
+        self.optimizer.load_state_dict(state_dict["inner"])
+        for group, saved in zip(self.shard_fp32_from_float16_groups, state_dict["master"]):
+            for tensor, value in zip(group, saved):
+                tensor.copy_(value)
+        if self.grad_scaler and "grad_scaler" in state_dict:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self._shards = self._muon_shards()
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        raise NotImplementedError(
+            "Reshardable distributed checkpoints of the Muon optimizer are not implemented yet; "
+            "use optimizer.state_dict() for a same-layout resume. (Refusing instead of writing "
+            "Adam-shaped state for Muon parameters.)"
+        )
+
+
+class MuonChainedOptimizer(ChainedOptimizer):
+    """Megatron's ChainedOptimizer over our dense and expert optimizers, with our extras."""
+
+    @property
+    def muon_optimizers(self) -> List[MuonDistributedOptimizer]:
+        return [o for o in self.chained_optimizers if isinstance(o, MuonDistributedOptimizer)]
+
+    @property
+    def traffic(self) -> Dict[str, int]:
+        total: Dict[str, int] = {}
+        for opt in self.muon_optimizers:
+            for k, v in opt.traffic.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def reset_traffic(self) -> None:
+        for opt in self.muon_optimizers:
+            opt.reset_traffic()

@@ -1,0 +1,275 @@
+"""The Muon step as a pipeline of small stages, chunk by chunk, overlapped.
+
+For every chunk of the plan, on every rank of the orthogonalization group:
+
+1. **launch gather** – pack this rank's pieces of the chunk's matrices (the Nesterov
+   momentum of its distributed-optimizer shard), ordered by owner, and start one
+   ``all_to_all_single`` that delivers each piece to the rank that owns its matrix.
+2. **complete gather** – wait, then assemble every owned matrix from its pieces: each
+   TP rank's piece from the DP ranks' byte ranges, then the TP pieces along the
+   partition dim.
+3. **compute** – Newton–Schulz on the owned matrices, same shapes stacked into one
+   batched call, times each matrix's update scale.
+4. **launch scatter** – cut every result back into the pieces the holders need, start
+   the reverse ``all_to_all_single``.
+5. **complete scatter** – wait for this rank's update pieces.
+6. **update** – hand each piece to the caller (weight decay and learning rate are
+   applied there, on the fp32 master shard).
+
+The orchestrator keeps up to ``max_inflight`` gathers in flight, so chunk ``i+1``'s
+gather travels while chunk ``i`` computes, and chunk ``i``'s scatter travels while
+chunk ``i+1`` computes. Every stage appends an event to ``trace`` so tests can see the
+order. Bytes each rank sends are counted in ``traffic``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .newton_schulz import newton_schulz
+from .planner import Chunk, Job, Plan, Segment
+
+UpdateFn = Callable[[int, int, int, torch.Tensor], None]
+"""``apply(param_index, local_start, local_end, update)`` for one received update piece."""
+
+
+@dataclass
+class _ChunkComm:
+    """This rank's share of one chunk: what to send, what arrives, where it goes."""
+
+    chunk: Chunk
+    owned: List[Job]
+    gather_send: List[Tuple[int, int, int]] = field(default_factory=list)
+    gather_send_splits: List[int] = field(default_factory=list)
+    gather_recv_splits: List[int] = field(default_factory=list)
+    gather_place: List[Tuple[int, int, int, int, int]] = field(default_factory=list)
+    """(owned job position, tp, piece_offset, recv_offset, numel)."""
+    scatter_send: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    """(owned job position, tp, piece_offset, numel), in destination order."""
+    scatter_send_splits: List[int] = field(default_factory=list)
+    scatter_recv_splits: List[int] = field(default_factory=list)
+    scatter_apply: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    """(param_index, local_start, local_end, recv_offset)."""
+
+
+@dataclass
+class _Pending:
+    recv: torch.Tensor
+    work: Optional[dist.Work]
+
+
+class MuonPipeline:
+    """Runs one Muon orthogonalization step over a ``Plan`` on this rank."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        local_starts: Sequence[int],
+        scales: Sequence[float],
+        ns_steps: int,
+        coefficients: str,
+        ns_dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        max_inflight: int = 2,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        """``local_starts[p]``: where this rank's shard of param ``p`` starts in the param's
+        flat storage. ``scales[j]``: update scale of job ``j``."""
+        self.plan = plan
+        self.group = plan.group
+        self.local_starts = list(local_starts)
+        self.scales = list(scales)
+        self.ns_steps = ns_steps
+        self.coefficients = coefficients
+        self.ns_dtype = ns_dtype
+        self.comm_dtype = comm_dtype
+        self.max_inflight = max_inflight
+        self.device = device
+        self.comms = [self._chunk_comm(chunk) for chunk in plan.chunks]
+        self.trace: List[Tuple[str, int]] = []
+        self.traffic: Dict[str, int] = defaultdict(int)
+        self.computed: List[str] = []
+        """Names of the matrices this rank orthogonalized in the last step."""
+
+    # ---------------------------------------------------------------- plan -> messages
+    def _chunk_comm(self, chunk: Chunk) -> _ChunkComm:
+        g = self.group
+        me = g.rank
+        owned = [job for job in chunk.jobs if job.owner == me]
+        pos = {job.index: i for i, job in enumerate(owned)}
+        comm = _ChunkComm(chunk=chunk, owned=owned)
+        send: List[list] = [[] for _ in range(g.size)]
+        recv: List[list] = [[] for _ in range(g.size)]
+        for job in chunk.jobs:
+            for seg in job.sources:
+                holder = g.rank_of(seg.tp, seg.dp)
+                if holder == me:
+                    send[job.owner].append(self._local(job, seg))
+                if job.owner == me:
+                    recv[holder].append((pos[job.index], seg))
+        comm.gather_send = [item for items in send for item in items]
+        comm.gather_send_splits = [sum(e - s for _, s, e in items) for items in send]
+        offset = 0
+        for items in recv:
+            for job_pos, seg in items:
+                comm.gather_place.append((job_pos, seg.tp, seg.piece_offset, offset, seg.numel))
+                offset += seg.numel
+        comm.gather_recv_splits = [sum(seg.numel for _, seg in items) for items in recv]
+
+        out: List[list] = [[] for _ in range(g.size)]
+        back: List[list] = [[] for _ in range(g.size)]
+        for job in chunk.jobs:
+            for seg in job.dests:
+                holder = g.rank_of(seg.tp, seg.dp)
+                if job.owner == me:
+                    out[holder].append((pos[job.index], seg.tp, seg.piece_offset, seg.numel))
+                if holder == me:
+                    back[job.owner].append(self._local(job, seg))
+        comm.scatter_send = [item for items in out for item in items]
+        comm.scatter_send_splits = [sum(item[3] for item in items) for items in out]
+        offset = 0
+        for items in back:
+            for param_index, start, end in items:
+                comm.scatter_apply.append((param_index, start, end, offset))
+                offset += end - start
+        comm.scatter_recv_splits = [sum(e - s for _, s, e in items) for items in back]
+        return comm
+
+    def _local(self, job: Job, seg: Segment) -> Tuple[int, int, int]:
+        base = self.local_starts[job.param_index]
+        return job.param_index, seg.start - base, seg.end - base
+
+    # ---------------------------------------------------------------- stages
+    def _exchange(self, kind: str, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> _Pending:
+        g = self.group
+        self.traffic[kind] += (sum(send_splits) - send_splits[g.rank]) * send.element_size()
+        if g.size == 1:
+            return _Pending(send, None)
+        recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=g.group, async_op=True)
+        return _Pending(recv, work)
+
+    def launch_gather(self, comm: _ChunkComm, inputs: Sequence[Optional[torch.Tensor]]) -> _Pending:
+        self.trace.append(("launch_gather", comm.chunk.index))
+        parts = [inputs[p][s:e] for p, s, e in comm.gather_send]
+        send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
+        return self._exchange("muon_gather", send, comm.gather_send_splits, comm.gather_recv_splits)
+
+    def complete_gather(self, comm: _ChunkComm, pending: _Pending) -> List[torch.Tensor]:
+        """Wait for the pieces; return the owned matrices (fp32), in ``comm.owned`` order."""
+        if pending.work is not None:
+            pending.work.wait()
+        self.trace.append(("complete_gather", comm.chunk.index))
+        recv = pending.recv.float()
+        pieces: List[Dict[int, torch.Tensor]] = []
+        for job in comm.owned:
+            rows, cols = job.matrix.piece_shape
+            tps = [t for t, _ in job.matrix.pieces if any(s.tp == t for s in job.sources)]
+            pieces.append({t: torch.empty(rows * cols, dtype=torch.float32, device=recv.device) for t in tps})
+        for job_pos, tp, piece_offset, recv_offset, numel in comm.gather_place:
+            pieces[job_pos][tp][piece_offset : piece_offset + numel] = recv[recv_offset : recv_offset + numel]
+        return [self._assemble(job, p) for job, p in zip(comm.owned, pieces)]
+
+    @staticmethod
+    def _assemble(job: Job, pieces: Dict[int, torch.Tensor]) -> torch.Tensor:
+        rows, cols = job.matrix.piece_shape
+        mats = [pieces[t].view(rows, cols) for t in sorted(pieces)]
+        if len(mats) == 1:
+            return mats[0]
+        return torch.cat(mats, dim=job.matrix.tp_dim)
+
+    def compute(self, comm: _ChunkComm, matrices: List[torch.Tensor]) -> List[torch.Tensor]:
+        """Batched Newton–Schulz per shape, times each job's update scale."""
+        self.trace.append(("compute", comm.chunk.index))
+        self.computed.extend(job.matrix.name for job in comm.owned)
+        by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
+        for i, m in enumerate(matrices):
+            by_shape[tuple(m.shape)].append(i)
+        outputs: List[Optional[torch.Tensor]] = [None] * len(matrices)
+        for indices in by_shape.values():
+            stack = torch.stack([matrices[i] for i in indices])
+            ortho = newton_schulz(stack, self.ns_steps, self.coefficients, self.ns_dtype)
+            scale = torch.tensor([self.scales[comm.owned[i].index] for i in indices], dtype=ortho.dtype, device=ortho.device)
+            ortho = ortho * scale.view(-1, 1, 1)
+            for k, i in enumerate(indices):
+                outputs[i] = ortho[k]
+        return outputs
+
+    def launch_scatter(self, comm: _ChunkComm, outputs: List[torch.Tensor]) -> _Pending:
+        self.trace.append(("launch_scatter", comm.chunk.index))
+        flat_pieces = [self._split_pieces(job, out) for job, out in zip(comm.owned, outputs)]
+        parts = [flat_pieces[j][tp][o : o + n] for j, tp, o, n in comm.scatter_send]
+        send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
+        return self._exchange("muon_scatter", send, comm.scatter_send_splits, comm.scatter_recv_splits)
+
+    @staticmethod
+    def _split_pieces(job: Job, out: torch.Tensor) -> Dict[int, torch.Tensor]:
+        """The result cut back into each destination TP rank's flat piece."""
+        m = job.matrix
+        dest_tps = sorted({s.tp for s in job.dests})
+        if m.replicated or len(m.pieces) == 1:
+            flat = out.reshape(-1)
+            return {t: flat for t in dest_tps}
+        chunks = out.chunk(len(m.pieces), dim=m.tp_dim)
+        order = [t for t, _ in m.pieces]
+        return {t: chunks[order.index(t)].contiguous().view(-1) for t in dest_tps}
+
+    def complete_scatter(self, comm: _ChunkComm, pending: _Pending) -> torch.Tensor:
+        if pending.work is not None:
+            pending.work.wait()
+        self.trace.append(("complete_scatter", comm.chunk.index))
+        return pending.recv
+
+    def update(self, comm: _ChunkComm, recv: torch.Tensor, apply: UpdateFn) -> None:
+        self.trace.append(("update", comm.chunk.index))
+        for param_index, start, end, offset in comm.scatter_apply:
+            apply(param_index, start, end, recv[offset : offset + end - start])
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.comm_dtype, device=self.device)
+
+    # ---------------------------------------------------------------- orchestrator
+    def run(
+        self,
+        inputs: Sequence[Optional[torch.Tensor]],
+        apply: UpdateFn,
+        while_first_gather_in_flight: Optional[Callable[[], None]] = None,
+    ) -> None:
+        """One orthogonalization step. ``inputs[p]``: this rank's 1-D shard of the
+        momentum (Nesterov) of param ``p`` (None where this rank holds nothing).
+        ``while_first_gather_in_flight`` runs after the first gathers are launched and
+        before the first is waited on (the expert batch hides communication there)."""
+        self.trace = []
+        self.computed = []
+        gathers: deque = deque()
+        scatters: deque = deque()
+        launched = 0
+
+        def launch_next() -> None:
+            nonlocal launched
+            if launched < len(self.comms):
+                gathers.append((launched, self.launch_gather(self.comms[launched], inputs)))
+                launched += 1
+
+        for _ in range(self.max_inflight):
+            launch_next()
+        if while_first_gather_in_flight is not None:
+            while_first_gather_in_flight()
+        while gathers:
+            i, pending = gathers.popleft()
+            comm = self.comms[i]
+            matrices = self.complete_gather(comm, pending)
+            launch_next()
+            outputs = self.compute(comm, matrices)
+            scatters.append((i, self.launch_scatter(comm, outputs)))
+            if len(scatters) > 1:
+                j, done = scatters.popleft()
+                self.update(self.comms[j], self.complete_scatter(self.comms[j], done), apply)
+        while scatters:
+            j, done = scatters.popleft()
+            self.update(self.comms[j], self.complete_scatter(self.comms[j], done), apply)

@@ -1,0 +1,275 @@
+"""The oracle: a deliberately simple, single-process Muon (+ AdamW for the rest).
+
+Every distributed test compares against this module, so it is written to be obviously
+correct rather than fast. It works on the full, unsharded parameters of a one-rank model
+(fp32), orthogonalizes one logical matrix at a time, and deliberately does NOT shard,
+communicate, batch, pipeline, cast to a communication dtype, or import anything from the
+distributed implementation (``matrices``, ``planner``, ``pipeline``, ``optimizer``): its
+splitting rules below are written independently from the model's ``TransformerConfig``.
+
+One ``ReferenceMuon.step()``, all fp32 on full tensors:
+
+1. Gradient of each parameter: ``.main_grad`` if present, else ``.grad``, else zeros
+   (Megatron DDP gives every parameter a zero grad buffer, so unused experts still get
+   momentum / weight decay / AdamW updates). Clipping as Megatron: ``norm`` = L2 norm over
+   all grads; if ``clip_grad > 0`` and ``coeff = clip_grad / (norm + 1e-6) < 1``, all
+   grads are multiplied by ``coeff``. ``step()`` returns ``norm`` (before clipping).
+2. Muon parameters (``is_muon_matrix``): 2-D weights except word/position embeddings,
+   ``output_layer.weight``, the MoE router (unless ``muon_router_optimizer == "muon"``)
+   and names matching ``muon_exclude_patterns`` (fnmatch); ``muon_param_filter``, when
+   set, decides alone. Everything else goes to AdamW.
+3. Logical matrices (``logical_matrices``) of a Muon parameter: a fused ``linear_qkv``
+   (rows per query group: ``[q heads, k, v]``) splits, if ``muon_split_qkv``, into
+   Q, K, V ("part"), Q_g, K_g, V_g per group ("group") or one matrix per q/k/v head
+   ("head"); a gated ``linear_fc1`` (also of experts / shared experts / ``weight<i>``)
+   splits into ``[gate; up]`` row halves if ``muon_split_glu``; legacy fused expert
+   weights ``weight1`` / ``weight2`` (module with ``num_local_experts``) give one matrix
+   per expert, ``weight1.view(E, h, -1)[e].T`` (``(ffn, h)``, halved by column if GLU
+   split) and ``weight2.view(E, -1, h)[e].T`` (``(h, ffn)``); anything else is one matrix.
+4. Muon per parameter: ``buf = mu * buf + g``; ``u = g + mu * buf`` (Nesterov) or
+   ``buf``; each logical matrix ``M`` (logical ``(out, in)`` orientation) of ``u`` is
+   replaced by ``newton_schulz(M) * update_scale(config, out, in)``; then
+   ``p *= 1 - lr * wd``; ``p -= lr * update``.
+5. AdamW for the rest, exactly ``torch.optim.AdamW``'s (single-tensor) arithmetic.
+6. ``lr`` = ``config.lr`` (or ``self.lr``, or ``step(lr=...)``); ``wd`` =
+   ``config.weight_decay * wd_mult``, ``wd_mult`` = 0 for 1-D params and ``*.bias``,
+   else 1 (Megatron's standard overrides).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from fnmatch import fnmatch
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+from .config import MuonConfig, update_scale
+from .newton_schulz import newton_schulz
+
+
+class LogicalMatrix(NamedTuple):
+    """``t.view(view_shape)[index]`` is a 2-D piece of a parameter-shaped tensor ``t``; the
+    logical ``(out, in)`` matrix is that piece, or its transpose if ``transposed``."""
+
+    view_shape: Tuple[int, ...]
+    index: tuple
+    transposed: bool = False
+
+    def read(self, t: torch.Tensor) -> torch.Tensor:
+        piece = t.view(self.view_shape)[self.index]
+        return piece.T if self.transposed else piece
+
+    def write(self, t: torch.Tensor, m: torch.Tensor) -> None:
+        t.view(self.view_shape)[self.index] = m.T if self.transposed else m
+
+
+def _rows(shape: Sequence[int], rows: Sequence[int]) -> LogicalMatrix:
+    return LogicalMatrix(tuple(shape), (torch.tensor(list(rows), dtype=torch.long),))
+
+
+def is_muon_matrix(name: str, param: torch.Tensor, config: MuonConfig) -> bool:
+    """Whether ``param`` (named as in the unwrapped model) is optimized by Muon."""
+    if config.muon_param_filter is not None:
+        return bool(config.muon_param_filter(name, param))
+    if param.dim() != 2:
+        return False
+    if re.search(r"(word|position)_embeddings\.weight$", name) or name.endswith("output_layer.weight"):
+        return False
+    if name.endswith("router.weight") and config.muon_router_optimizer != "muon":
+        return False
+    return not any(fnmatch(name, pattern) for pattern in config.muon_exclude_patterns)
+
+
+def qkv_row_sets(nh: int, ng: int, d: int, granularity: str) -> List[List[int]]:
+    """Row indices of each logical matrix of a fused ``linear_qkv`` weight."""
+    qpg, per_group = nh // ng, (nh // ng + 2) * d
+    q = [list(range(g * per_group, g * per_group + qpg * d)) for g in range(ng)]
+    k = [list(range(g * per_group + qpg * d, g * per_group + (qpg + 1) * d)) for g in range(ng)]
+    v = [list(range(g * per_group + (qpg + 1) * d, (g + 1) * per_group)) for g in range(ng)]
+    if granularity == "part":
+        return [sum(q, []), sum(k, []), sum(v, [])]
+    if granularity == "group":
+        return [rows for g in range(ng) for rows in (q[g], k[g], v[g])]
+    heads = [q[g][i * d:(i + 1) * d] for g in range(ng) for i in range(qpg)]
+    return heads + k + v
+
+
+def logical_matrices(
+    name: str, shape: Sequence[int], tconfig: Any, config: MuonConfig, module: Any = None
+) -> List[LogicalMatrix]:
+    """The logical matrices of a Muon parameter of ``shape`` (see the module docstring).
+
+    ``tconfig`` is the model's ``TransformerConfig`` (or any object with its attribute
+    names; None means no splitting); ``module`` is the module owning the parameter.
+    """
+    shape = tuple(shape)
+    leaf = name.rsplit(".", 1)[-1]
+    glu = bool(getattr(tconfig, "gated_linear_unit", False))
+    if leaf in ("weight1", "weight2") and hasattr(module, "num_local_experts"):
+        E = module.num_local_experts
+        if leaf == "weight2":  # [E*ffn, h] read as view(E, ffn, h)[e] = (in, out)
+            view = (E, shape[0] // E, shape[1])
+            return [LogicalMatrix(view, (e,), True) for e in range(E)]
+        view = (E, shape[0], shape[1] // E)  # [h, E*ffn] read as view(E, h, ffn)[e] = (in, out)
+        n, halves = view[2], 2 if glu and config.muon_split_glu else 1
+        cols = [(i * n // halves, (i + 1) * n // halves) for i in range(halves)]
+        return [LogicalMatrix(view, (e, slice(None), slice(a, b)), True) for e in range(E) for a, b in cols]
+    if name.endswith("linear_qkv.weight") and config.muon_split_qkv and tconfig is not None:
+        nh = tconfig.num_attention_heads
+        ng = tconfig.num_query_groups or nh
+        d = tconfig.kv_channels or tconfig.hidden_size // nh
+        assert shape[0] == ng * (nh // ng + 2) * d, (name, shape, nh, ng, d)
+        return [_rows(shape, rows) for rows in qkv_row_sets(nh, ng, d, config.muon_qkv_split)]
+    if re.search(r"linear_fc1\.weight\d*$", name) and glu and config.muon_split_glu:
+        half = shape[0] // 2
+        return [_rows(shape, range(half)), _rows(shape, range(half, shape[0]))]
+    return [LogicalMatrix(shape, (slice(None),))]
+
+
+def orthogonalized_update(u: torch.Tensor, matrices: List[LogicalMatrix], config: MuonConfig) -> torch.Tensor:
+    """Newton–Schulz of each logical matrix of ``u``, times its update scale."""
+    out = torch.empty_like(u)
+    for lm in matrices:
+        m = lm.read(u)
+        o = newton_schulz(
+            m, steps=config.muon_num_ns_steps, coefficients=config.muon_coefficient_type,
+            compute_dtype=config.muon_ns_dtype,
+        )
+        lm.write(out, o * update_scale(config, m.shape[0], m.shape[1]))
+    return out
+
+
+def assert_partition(name: str, shape: Sequence[int], matrices: List[LogicalMatrix]) -> None:
+    """Every element of the parameter belongs to exactly one logical matrix."""
+    count = torch.zeros(tuple(shape))
+    for lm in matrices:
+        lm.write(count, lm.read(count) + 1)
+    assert bool((count == 1).all()), f"the logical matrices of {name} do not partition it"
+
+
+def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig) -> None:
+    """Momentum (per parameter), orthogonalization (per logical matrix), decoupled wd."""
+    buf = state.setdefault("momentum_buffer", torch.zeros_like(p, dtype=torch.float32))
+    mu = config.muon_momentum
+    buf.mul_(mu).add_(g)
+    u = g + mu * buf if config.muon_nesterov else buf
+    update = orthogonalized_update(u, matrices, config)
+    p.mul_(1 - lr * wd).add_(update, alpha=-lr)
+
+
+def adamw_update(p, g, state, lr: float, wd: float, config: MuonConfig) -> None:
+    """``torch.optim.AdamW`` (single-tensor, no amsgrad) on one parameter."""
+    b1, b2 = config.adam_beta1, config.adam_beta2
+    if not state:
+        state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+    state["step"] += 1
+    step = state["step"]
+    state["exp_avg"].lerp_(g, 1 - b1)
+    state["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+    p.mul_(1 - lr * wd)
+    denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - b2**step)).add_(config.adam_eps)
+    p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**step))
+
+
+def wd_mult(name: str, param: torch.Tensor) -> float:
+    """Megatron's standard override: no weight decay on 1-D params and biases."""
+    return 0.0 if param.dim() == 1 or name.endswith(".bias") else 1.0
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module"):  # DDP / Float16Module wrappers
+        module = module.module
+    return module
+
+
+class ReferenceMuon:
+    """Single-process Muon + AdamW over full parameters (see the module docstring)."""
+
+    def __init__(self, model, config: MuonConfig):
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.config, self.lr = config, config.lr
+        self.params: Dict[str, torch.nn.Parameter] = {}
+        self.matrices: Dict[str, Optional[List[LogicalMatrix]]] = {}  # None: AdamW
+        self.state: Dict[str, Dict[str, Any]] = {}
+        seen = set()
+        for i, chunk in enumerate(chunks):
+            chunk = _unwrap(chunk)
+            prefix = f"chunk{i}." if len(chunks) > 1 else ""
+            for mod_name, module in chunk.named_modules():
+                tconfig = getattr(module, "config", None) or getattr(chunk, "config", None)
+                for leaf, p in module.named_parameters(recurse=False):
+                    name = f"{mod_name}.{leaf}" if mod_name else leaf
+                    if id(p) in seen:
+                        continue  # shared (tied) parameter: once
+                    seen.add(id(p))
+                    if p.dtype != torch.float32:
+                        raise ValueError(f"ReferenceMuon needs fp32 parameters; {name} is {p.dtype}")
+                    key = prefix + name
+                    self.params[key], self.state[key] = p, {}
+                    self.matrices[key] = None
+                    if is_muon_matrix(name, p, config):
+                        self.matrices[key] = logical_matrices(name, p.shape, tconfig, config, module)
+                        assert_partition(key, p.shape, self.matrices[key])
+
+    @staticmethod
+    def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        return torch.zeros_like(p) if g is None else g.detach().float().clone()
+
+    @torch.no_grad()
+    def step(self, lr: Optional[float] = None) -> float:
+        """One optimizer step from the current grads; returns the grad norm before clipping."""
+        lr = self.lr if lr is None else lr
+        grads = {k: self._grad(p) for k, p in self.params.items()}
+        norm = float(torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt())
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (norm + 1e-6)
+            if coeff < 1:
+                for g in grads.values():
+                    g.mul_(coeff)
+        for key, p in self.params.items():
+            wd = self.config.weight_decay * wd_mult(key, p)
+            if self.matrices[key] is None:
+                adamw_update(p.data, grads[key], self.state[key], lr, wd, self.config)
+            else:
+                muon_update(p.data, grads[key], self.state[key], lr, wd, self.matrices[key], self.config)
+        return norm
+
+
+def reference_train(
+    spec, config: MuonConfig, batches: Sequence[torch.Tensor], micro_batch_size: int,
+    lrs: Optional[Sequence[float]] = None,
+):
+    """Train the one-rank model of ``spec`` with ``ReferenceMuon``; run it inside
+    ``run_distributed(reference_train, 1, spec, config, batches, micro_batch_size)``.
+
+    Each batch ``[B, seq+1]`` is cut into ``B / micro_batch_size`` micro-batches; the loss
+    is Megatron's: mean over micro-batches of each micro-batch's mean token loss (so each
+    micro-batch's backward is scaled by ``1 / num_microbatches``). No DDP: grads land in
+    ``.grad``. ``lrs`` optionally gives each step's lr. Returns ``(losses, state)``: each
+    step's loss (forward before that step's update) and ``gather_canonical_state``.
+    """
+    from .testing.models import build_model_chunks, canonical_init_, gather_canonical_state
+
+    chunks = build_model_chunks(spec)
+    assert len(chunks) == 1, "reference_train runs a one-rank model"
+    model = chunks[0]
+    canonical_init_(chunks, seed=0)
+    opt = ReferenceMuon(chunks, config)
+    losses = []
+    for i, tokens in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        micro = tokens.split(micro_batch_size, dim=0)
+        total = 0.0
+        for mb in micro:
+            inputs, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
+            position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+            loss = model(inputs, position_ids, None, labels=labels).float().mean()
+            (loss / len(micro)).backward()
+            total += float(loss.detach())
+        losses.append(total / len(micro))
+        opt.step(lr=None if lrs is None else lrs[i])
+    return losses, gather_canonical_state(chunks)

@@ -1,0 +1,201 @@
+"""Spawn gloo ranks on this machine, initialise Megatron's ``parallel_state``, run a function.
+
+``run_distributed(fn, world_size, tp=2)`` starts ``world_size`` fresh processes (spawn, not
+fork: Megatron and torch keep global state), each of which applies the CPU patches, joins a
+gloo process group on a free loopback port, calls
+``parallel_state.initialize_model_parallel`` with the requested layout and then
+``fn(*args)``. Every rank writes its return value (or its traceback) to a file; the parent
+waits for all of them, re-raises the first failure with the rank's own traceback, and kills
+the whole group when ``timeout_s`` runs out so a hung collective fails a test instead of
+hanging CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The Megatron process layout of one spawned run (names as in Megatron-LM)."""
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+
+class DistributedTestError(RuntimeError):
+    """A rank failed; the message carries that rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    layout: ParallelLayout,
+    port: int,
+    outdir: str,
+    fn: Callable,
+    args: tuple,
+    seed: int,
+    collective_timeout_s: float,
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    out = os.path.join(outdir, f"rank{rank}")
+    try:
+        from megatron_muon.testing.cpu import install_cpu_patches
+
+        install_cpu_patches()
+        import datetime
+
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port)
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(layout.world_size)
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.distributed.init_process_group(
+            "gloo",
+            rank=rank,
+            world_size=layout.world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout_s),
+        )
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tensor_model_parallel_size,
+            pipeline_model_parallel_size=layout.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size,
+            context_parallel_size=layout.context_parallel_size,
+            expert_model_parallel_size=layout.expert_model_parallel_size,
+            expert_tensor_parallel_size=layout.expert_tensor_parallel_size,
+        )
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+        result = fn(*args)
+        torch.save({"ok": True, "result": result}, out + ".tmp")
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        torch.save({"ok": False, "error": traceback.format_exc()}, out + ".tmp")
+    os.replace(out + ".tmp", out)
+    try:
+        # Tear down cleanly so gloo does not report broken pipes from ranks that finished.
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown errors are irrelevant to the result
+        pass
+
+
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    tp: int = 1,
+    pp: int = 1,
+    vpp: Optional[int] = None,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    cp: int = 1,
+    timeout_s: float = 300.0,
+    seed: int = 1234,
+) -> List[Any]:
+    """Run ``fn(*args)`` on ``world_size`` gloo ranks with the given Megatron layout.
+
+    ``fn`` must be importable by name (a module-level function) since ranks are spawned.
+    Returns the list of per-rank return values (rank order). Raises
+    ``DistributedTestError`` with the failing rank's traceback, or ``TimeoutError`` when
+    the ranks do not all finish within ``timeout_s`` seconds.
+    """
+    layout = ParallelLayout(
+        world_size=world_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+        context_parallel_size=cp,
+    )
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world_size={world_size} is not divisible by tp*pp*cp={tp * pp * cp}; "
+            "choose a world size that is a multiple of the model-parallel size."
+        )
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="megatron_muon_") as outdir:
+        procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, layout, port, outdir, fn, args, seed, timeout_s),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        results: dict[int, dict] = {}
+        try:
+            while len(results) < world_size:
+                for rank in range(world_size):
+                    path = os.path.join(outdir, f"rank{rank}")
+                    if rank not in results and os.path.exists(path):
+                        results[rank] = torch.load(path, weights_only=False)
+                        if not results[rank]["ok"]:
+                            raise DistributedTestError(
+                                f"rank {rank} of {world_size} failed:\n{results[rank]['error']}"
+                            )
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in results
+                    and not p.is_alive()
+                    and not os.path.exists(os.path.join(outdir, f"rank{r}"))
+                ]
+                if dead:
+                    raise DistributedTestError(
+                        f"rank(s) {dead} exited with code "
+                        f"{[procs[r].exitcode for r in dead]} without reporting a result"
+                    )
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(results))
+                    raise TimeoutError(
+                        f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
+                        "(a hung collective?)"
+                    )
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                p.join(timeout=5 if len(results) == world_size else 0.1)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [results[r]["result"] for r in range(world_size)]

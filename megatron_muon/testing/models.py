@@ -1,0 +1,365 @@
+"""Tiny real Megatron-core models for tests and laptop debugging, and how to train them.
+
+Everything here is a thin layer over Megatron-core itself (``GPTModel``, the local layer
+spec, ``DistributedDataParallel``, ``get_forward_backward_func``); the only additions are
+what makes runs in different parallel layouts comparable:
+
+* ``canonical_init_`` sets every parameter from a seed and its *global* name and shape
+  (Megatron's own ``sharded_state_dict`` keys), so a TP2xPP2 model and a one-rank model
+  start from exactly the same weights;
+* ``gather_canonical_state`` collects the local pieces of every parameter, keyed the same
+  way, so the parent process can assemble the full model from any layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------
+# Model configuration
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class TinyModelSpec:
+    """A tiny GPT. ``kind`` is 'gqa', 'mha', 'moe' or 'mla'; the rest are Megatron names."""
+
+    kind: str = "gqa"
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = 2
+    vocab_size: int = 128
+    seq_length: int = 16
+    swiglu: bool = True
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    untie_embeddings_and_output_weights: bool = True
+    bf16: bool = False
+    fp16: bool = False
+    sequence_parallel: bool = False
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind == "mha":
+            self.num_query_groups = None
+        if self.kind == "moe" and self.num_moe_experts is None:
+            self.num_moe_experts = 4
+            self.moe_ffn_hidden_size = self.moe_ffn_hidden_size or 64
+        if self.kind == "mla":
+            raise NotImplementedError(
+                "MLA needs megatron_muon's own core attention (the local DotProductAttention "
+                "rejects k_channels/v_channels); it arrives with the QK-Clip work."
+            )
+
+
+def transformer_config(spec: TinyModelSpec):
+    """The Megatron ``TransformerConfig`` for ``spec`` in the current parallel layout."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
+    kwargs: Dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        gated_linear_unit=spec.swiglu,
+        activation_func=F.silu if spec.swiglu else F.gelu,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=spec.bf16,
+        fp16=spec.fp16,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=spec.sequence_parallel,
+    )
+    if spec.num_moe_experts:
+        kwargs.update(
+            num_moe_experts=spec.num_moe_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+            moe_token_dispatcher_type="allgather",  # gloo rejects the alltoall split tensors
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+        )
+    kwargs.update(spec.extra)
+    return TransformerConfig(**kwargs)
+
+
+def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module]:
+    """Build this rank's ``GPTModel`` chunk(s) (several with virtual pipeline stages)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    config = config or transformer_config(spec)
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=spec.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    )
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunks = []
+    for vp_stage in range(vpp):
+        vp = vp_stage if vpp > 1 else None
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=layer_spec,
+                vocab_size=spec.vocab_size,
+                max_sequence_length=spec.seq_length,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+                share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+                position_embedding_type="rope",
+                vp_stage=vp,
+            )
+        )
+    return chunks
+
+
+# ---------------------------------------------------------------------------------------
+# Layout-independent weights: every parameter addressed by its global (checkpoint) key
+# ---------------------------------------------------------------------------------------
+
+
+def _sharded_tensors(chunk: torch.nn.Module) -> List[Any]:
+    """Megatron's ``ShardedTensor``s for a chunk's parameters (factories expanded)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    out = []
+    for value in nested_values(chunk.sharded_state_dict()):
+        if isinstance(value, ShardedTensorFactory):
+            out.extend(v for v in nested_values(value.build()) if isinstance(v, ShardedTensor))
+        elif isinstance(value, ShardedTensor):
+            out.append(value)
+    # Only parameters (not extra state or buffers such as rotary inv_freq).
+    storages = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
+    return [
+        st for st in out if st.data is not None and st.data.untyped_storage().data_ptr() in storages
+    ]
+
+
+def _seeded_global(key: str, shape: Tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    digest = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:15], 16)
+    gen = torch.Generator().manual_seed(digest)
+    if key.endswith("layer_norm_weight") or key.endswith("norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    return std * torch.randn(shape, generator=gen)
+
+
+@torch.no_grad()
+def canonical_init_(chunks: List[torch.nn.Module], seed: int = 0, std: float = 0.05) -> None:
+    """Overwrite every parameter with a slice of a seeded tensor of its global shape."""
+    for chunk in chunks:
+        for st in _sharded_tensors(chunk):
+            full = _seeded_global(st.key, st.global_shape, seed, std)
+            st.data.copy_(full[st.global_slice()].reshape(st.data.shape))
+
+
+@torch.no_grad()
+def gather_canonical_state(chunks: List[torch.nn.Module]) -> Dict[str, List[Tuple[Any, torch.Tensor]]]:
+    """This rank's pieces of every parameter: ``{key: [(global_slice, fp32 data), ...]}``."""
+    out: Dict[str, List[Tuple[Any, torch.Tensor]]] = {}
+    for chunk in chunks:
+        for st in _sharded_tensors(chunk):
+            out.setdefault(st.key, []).append(
+                ((tuple(st.global_shape), st.global_slice()), st.data.detach().float().clone())
+            )
+    return out
+
+
+def merge_canonical_states(per_rank: List[Dict[str, list]]) -> Dict[str, torch.Tensor]:
+    """Assemble full tensors from ``gather_canonical_state`` results of all ranks."""
+    full: Dict[str, torch.Tensor] = {}
+    for state in per_rank:
+        for key, pieces in state.items():
+            for (shape, where), data in pieces:
+                if key not in full:
+                    full[key] = torch.full(shape, float("nan"))
+                full[key][where] = data.reshape(full[key][where].shape)
+    for key, value in full.items():
+        if torch.isnan(value).any():
+            raise AssertionError(f"no rank reported part of parameter {key}")
+    return full
+
+
+# ---------------------------------------------------------------------------------------
+# Wrapping and training
+# ---------------------------------------------------------------------------------------
+
+
+def wrap_ddp(
+    chunks: List[torch.nn.Module],
+    config,
+    use_distributed_optimizer: bool = True,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
+    bucket_size: Optional[int] = None,
+    full_param_layout=None,
+) -> List[torch.nn.Module]:
+    """Wrap chunks in Megatron DDP the way Megatron-LM's ``get_model`` does."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
+        use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=bucket_size,
+    )
+    kwargs = {} if full_param_layout is None else {"full_param_layout": full_param_layout}
+    return [
+        DistributedDataParallel(
+            config=config,
+            ddp_config=ddp_config,
+            module=chunk,
+            disable_bucketing=i > 0,
+            **kwargs,
+        )
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def synthetic_batches(
+    spec: TinyModelSpec, global_batch_size: int, num_steps: int, seed: int = 0
+) -> List[torch.Tensor]:
+    """Token batches ``[global_batch_size, seq_length + 1]``, identical on every rank."""
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    return [
+        torch.randint(0, spec.vocab_size, (global_batch_size, spec.seq_length + 1), generator=gen)
+        for _ in range(num_steps)
+    ]
+
+
+def _microbatches(tokens: torch.Tensor, micro_batch_size: int) -> Iterator[Dict[str, torch.Tensor]]:
+    """Split this data-parallel rank's share of a global batch into micro-batches."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    rank = parallel_state.get_data_parallel_rank()
+    local = tokens.chunk(dp, dim=0)[rank]
+    for mb in local.split(micro_batch_size, dim=0):
+        yield {"tokens": mb[:, :-1].contiguous(), "labels": mb[:, 1:].contiguous()}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    tokens, labels = batch["tokens"], batch["labels"]
+    seq = tokens.shape[1]
+    position_ids = torch.arange(seq).unsqueeze(0).expand_as(tokens)
+    output = model(tokens, position_ids, None, labels=labels)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
+def forward_backward(
+    model: List[torch.nn.Module], tokens: torch.Tensor, micro_batch_size: int, spec: TinyModelSpec,
+    forward_only: bool = False,
+) -> Optional[float]:
+    """One global batch through Megatron's pipeline schedule. Returns the mean loss
+    (averaged over micro-batches and data-parallel ranks) on every rank."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp = parallel_state.get_data_parallel_world_size()
+    num_microbatches = tokens.shape[0] // dp // micro_batch_size
+    config = model[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
+    iters = [_microbatches(tokens, micro_batch_size) for _ in model]
+    losses = get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iters if len(model) > 1 else iters[0],
+        model=model,
+        num_microbatches=num_microbatches,
+        seq_length=spec.seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+    return _reduce_loss(losses)
+
+
+def _reduce_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
+    """Mean loss over micro-batches and data-parallel ranks, broadcast from the last stage."""
+    from megatron.core import parallel_state
+
+    value = torch.zeros(1)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and losses:
+        value[0] = torch.stack([x["lm loss"] for x in losses]).mean()
+    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    value /= parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+    return float(value[0])
+
+
+def train_step(
+    model: List[torch.nn.Module],
+    optimizer,
+    tokens: torch.Tensor,
+    micro_batch_size: int,
+    spec: TinyModelSpec,
+) -> Tuple[float, bool]:
+    """Zero grads, forward/backward one global batch, ``optimizer.step()``.
+
+    Returns ``(loss, update_successful)``.
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = forward_backward(model, tokens, micro_batch_size, spec)
+    ok, _, _ = optimizer.step()
+    return loss, bool(ok)
+
+
+def megatron_adam_optimizer(model: List[torch.nn.Module], lr: float = 1e-2, **overrides):
+    """Megatron's own DistributedOptimizer + AdamW (the peer every comparison starts from)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    cfg = dict(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        bf16=model[0].config.bf16,
+        fp16=model[0].config.fp16,
+        params_dtype=model[0].config.params_dtype,
+        use_distributed_optimizer=model[0].ddp_config.use_distributed_optimizer,
+    )
+    cfg.update(overrides)
+    return get_megatron_optimizer(OptimizerConfig(**cfg), model)

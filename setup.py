@@ -1,0 +1,24 @@
+"""megatron-muon: exact, distributed Muon / MuonClip for Megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-muon",
+    version="0.1.0",
+    description="Muon and MuonClip as a drop-in replacement for Megatron-core's DistributedOptimizer",
+    packages=find_packages(include=["megatron_muon", "megatron_muon.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "torch>=2.9",
+        "megatron-core>=0.19,<0.20",
+        "einops",
+        # Megatron dist_checkpointing's async filesystem writer imports psutil.
+        "psutil",
+        "pyyaml",
+    ],
+    extras_require={
+        "test": ["pytest", "pytest-timeout"],
+        # Megatron-core's own Muon (used only by comparison tests and benchmarks).
+        "peer": ["emerging-optimizers==0.3.0"],
+    },
+)
