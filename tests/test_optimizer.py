@@ -53,12 +53,13 @@ def scheduler(optimizer, cfg):
     )
 
 
-def build(spec: M.TinyModelSpec, **cfg_overrides):
+def build(spec: M.TinyModelSpec, ddp: dict | None = None, **cfg_overrides):
+    """Model chunks, DDP-wrapped model, Muon optimizer and Megatron's scheduler."""
     from megatron_muon import get_muon_optimizer
 
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
-    model = M.wrap_ddp(chunks, chunks[0].config)
+    model = M.wrap_ddp(chunks, chunks[0].config, **(ddp or {}))
     cfg = muon_config(spec, **cfg_overrides)
     opt = get_muon_optimizer(cfg, model)
     return chunks, model, opt, scheduler(opt, cfg)
@@ -79,6 +80,8 @@ def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
             assert ok
             sched.step(1)
             losses.append(loss)
+        for chunk in model:  # with overlap_param_gather the last gather is still pending
+            chunk.start_param_sync(force_sync=True)
         out[name] = dict(
             losses=losses,
             state=M.gather_canonical_state(chunks),
@@ -96,7 +99,7 @@ def reference(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, steps)
     return {
-        name: reference_train(spec, muon_config(spec, **overrides), batches, MBS)
+        name: reference_train(spec, muon_config(spec, **{k: v for k, v in overrides.items() if k != "ddp"}), batches, MBS)
         for name, overrides in variants.items()
     }
 
@@ -115,6 +118,9 @@ def max_rel_err(full: dict, ref: dict, norm: str = "max") -> tuple:
 
 
 VARIANTS = {"fp32": {}, "bf16": BF16_NS}
+# Same numbers with DDP overlapping the grad reduce-scatter and param all-gather, in small
+# buckets (so parameters straddle bucket and shard boundaries).
+OVERLAP = {"ddp": dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)}
 DENSE = dict(kind="gqa")
 VPP_MODEL = dict(kind="gqa", num_layers=4)
 
@@ -130,6 +136,7 @@ def _references():
 
 LAYOUTS = [
     pytest.param(2, dict(), DENSE, id="DP2"),
+    pytest.param(2, dict(), DENSE, id="DP2-overlap"),
     pytest.param(2, dict(tp=2), DENSE, id="TP2"),
     pytest.param(4, dict(tp=2), DENSE, id="DP2xTP2"),
     pytest.param(4, dict(), DENSE, id="DP4"),
@@ -140,8 +147,10 @@ LAYOUTS = [
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world,layout,model", LAYOUTS)
-def test_equals_single_process_reference(references, world, layout, model):
+def test_equals_single_process_reference(request, references, world, layout, model):
     variants = VARIANTS if model is DENSE else {"fp32": {}}
+    if request.node.callspec.id == "DP2-overlap":
+        variants = {"fp32": OVERLAP}
     results = run_distributed(train, world, model, variants, timeout_s=500, **layout)
     ref = references["dense" if model is DENSE else "vpp"]
     for name in variants:
