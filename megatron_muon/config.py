@@ -79,6 +79,10 @@ class MuonConfig(OptimizerConfig):
     muon_max_inflight_chunks: int = 2
     """How many chunks' gathers may be in flight while one chunk computes."""
 
+    muon_overlap_expert_ns: bool = True
+    """Run the expert-parallel parameters' step (stacked per-expert Newton–Schulz) while the
+    dense pipeline's first gather is in flight."""
+
     # --- which parameters are Muon matrices -------------------------------------------------
     muon_split_qkv: bool = True
     """Orthogonalize a fused ``linear_qkv`` as separate Q, K and V matrices."""

@@ -123,6 +123,7 @@ def get_muon_optimizer(
     all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)
 
     optimizers = []
+    events: list = []
     for expert in (False, True):
         param_groups = [g for g in all_groups if g["is_expert_parallel"] == expert]
         buffer_name = "expert_parallel_buffers" if expert else "buffers"
@@ -150,10 +151,11 @@ def get_muon_optimizer(
             ortho_tp,
             [mp for mp in muon_params if id(mp.param) in params],
             name="expert" if expert else "dense",
+            events=events,
         )
         # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
         opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
         opt.tp_group = tp_group
         opt.expert_tp_group = expt_tp_group
         optimizers.append(opt)
-    return MuonChainedOptimizer(optimizers)
+    return MuonChainedOptimizer(optimizers, events)

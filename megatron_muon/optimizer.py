@@ -51,9 +51,21 @@ class MuonAdamW(torch.optim.AdamW):
             weight_decay=config.weight_decay,
         )
         self.muon_step: Optional[Callable[[List[dict]], None]] = None
+        self._stepped_early = False
+
+    @torch.no_grad()
+    def step_early(self) -> None:
+        """Take this step now; the next ``step()`` call (from Megatron's
+        ``step_with_ready_grads``) then only marks it done. Used to run the expert step
+        inside the dense pipeline, while its first gather is in flight."""
+        self.step()
+        self._stepped_early = True
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self._stepped_early:
+            self._stepped_early = False
+            return
         groups = self.param_groups
         self.param_groups = [g for g in groups if not g.get("muon", False)]
         try:
@@ -117,7 +129,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         tp_group: dist.ProcessGroup,
         muon_params: Sequence[MuonParam],
         name: str = "dense",
+        events: Optional[List[Tuple[str, str, int]]] = None,
     ) -> None:
+        self.name = name
+        self.events = events if events is not None else []
+        self.while_first_gather_in_flight: Optional[Callable[[], None]] = None
+        """Work to run after the first gathers are launched (set by the chained optimizer)."""
         super().__init__(
             optimizer,
             config,
@@ -130,7 +147,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             data_parallel_group_idx,
             0,
         )
-        self.name = name
         self.muon_params = list(muon_params)
         self.plan, self.pipeline = self._build_pipeline(tp_group)
         self._shards = self._muon_shards()
@@ -171,6 +187,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             cfg.muon_comm_dtype,
             cfg.muon_max_inflight_chunks,
             device,
+            name=self.name,
+            events=self.events,
         )
         return plan, pipeline
 
@@ -240,13 +258,13 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             lr = hyper[id(main)][0]
             main[start:end].add_(update.to(main.dtype), alpha=-lr)
 
-        self.pipeline.run(inputs, apply)
+        self.pipeline.run(inputs, apply, self.while_first_gather_in_flight)
 
     # ------------------------------------------------------------------ introspection
     @property
-    def trace(self) -> List[Tuple[str, int]]:
-        """Stage events of the last step, in order: (stage, chunk index)."""
-        return self.pipeline.trace
+    def trace(self) -> List[Tuple[str, str, int]]:
+        """Stage events of the last step, in order: (pipeline, stage, chunk index)."""
+        return list(self.events)
 
     @property
     def traffic(self) -> Dict[str, int]:
@@ -303,7 +321,35 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
 
 class MuonChainedOptimizer(ChainedOptimizer):
-    """Megatron's ChainedOptimizer over our dense and expert optimizers, with our extras."""
+    """Megatron's ChainedOptimizer over our dense and expert optimizers, with our extras.
+
+    With ``muon_overlap_expert_ns`` the expert optimizer's step (its stacked per-expert
+    Newton–Schulz) runs inside the dense pipeline, after the dense pipeline has launched
+    its first gathers and before it waits for them, so that communication is hidden
+    behind expert compute.
+    """
+
+    def __init__(self, chained_optimizers, events: Optional[List[Tuple[str, str, int]]] = None) -> None:
+        super().__init__(chained_optimizers)
+        self.events = events if events is not None else []
+
+    @property
+    def trace(self) -> List[Tuple[str, str, int]]:
+        """Stage events of the last step of every pipeline, in execution order."""
+        return list(self.events)
+
+    def _step(self) -> bool:
+        self.events.clear()
+        by_name = {o.name: o for o in self.muon_optimizers}
+        dense, expert = by_name.get("dense"), by_name.get("expert")
+        overlap = dense is not None and expert is not None and self.config.muon_overlap_expert_ns
+        if not overlap:
+            return super()._step()
+        dense.while_first_gather_in_flight = expert.optimizer.step_early
+        try:
+            return super()._step()
+        finally:
+            dense.while_first_gather_in_flight = None
 
     @property
     def muon_optimizers(self) -> List[MuonDistributedOptimizer]:

@@ -18,7 +18,7 @@ For every chunk of the plan, on every rank of the orthogonalization group:
 
 The orchestrator keeps up to ``max_inflight`` gathers in flight, so chunk ``i+1``'s
 gather travels while chunk ``i`` computes, and chunk ``i``'s scatter travels while
-chunk ``i+1`` computes. Every stage appends an event to ``trace`` so tests can see the
+chunk ``i+1`` computes. Every stage appends an event to ``events`` so tests can see the
 order. Bytes each rank sends are counted in ``traffic``.
 """
 
@@ -77,6 +77,8 @@ class MuonPipeline:
         comm_dtype: torch.dtype,
         max_inflight: int = 2,
         device: Optional[torch.device] = None,
+        name: str = "dense",
+        events: Optional[List[Tuple[str, str, int]]] = None,
     ) -> None:
         """``local_starts[p]``: where this rank's shard of param ``p`` starts in the param's
         flat storage. ``scales[j]``: update scale of job ``j``."""
@@ -91,7 +93,10 @@ class MuonPipeline:
         self.max_inflight = max_inflight
         self.device = device
         self.comms = [self._chunk_comm(chunk) for chunk in plan.chunks]
-        self.trace: List[Tuple[str, int]] = []
+        self.name = name
+        self.events: List[Tuple[str, str, int]] = events if events is not None else []
+        """Stage events (pipeline name, stage, chunk index), appended in execution order;
+        the owner clears the list at the start of each step."""
         self.traffic: Dict[str, int] = defaultdict(int)
         self.computed: List[str] = []
         """Names of the matrices this rank orthogonalized in the last step."""
@@ -140,6 +145,9 @@ class MuonPipeline:
         comm.scatter_recv_splits = [sum(e - s for _, s, e in items) for items in back]
         return comm
 
+    def _event(self, stage: str, comm: _ChunkComm) -> None:
+        self.events.append((self.name, stage, comm.chunk.index))
+
     def _local(self, job: Job, seg: Segment) -> Tuple[int, int, int]:
         base = self.local_starts[job.param_index]
         return job.param_index, seg.start - base, seg.end - base
@@ -155,7 +163,7 @@ class MuonPipeline:
         return _Pending(recv, work)
 
     def launch_gather(self, comm: _ChunkComm, inputs: Sequence[Optional[torch.Tensor]]) -> _Pending:
-        self.trace.append(("launch_gather", comm.chunk.index))
+        self._event("launch_gather", comm)
         parts = [inputs[p][s:e] for p, s, e in comm.gather_send]
         send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
         return self._exchange("muon_gather", send, comm.gather_send_splits, comm.gather_recv_splits)
@@ -164,7 +172,7 @@ class MuonPipeline:
         """Wait for the pieces; return the owned matrices (fp32), in ``comm.owned`` order."""
         if pending.work is not None:
             pending.work.wait()
-        self.trace.append(("complete_gather", comm.chunk.index))
+        self._event("complete_gather", comm)
         recv = pending.recv.float()
         pieces: List[Dict[int, torch.Tensor]] = []
         for job in comm.owned:
@@ -185,7 +193,7 @@ class MuonPipeline:
 
     def compute(self, comm: _ChunkComm, matrices: List[torch.Tensor]) -> List[torch.Tensor]:
         """Batched Newton–Schulz per shape, times each job's update scale."""
-        self.trace.append(("compute", comm.chunk.index))
+        self._event("compute", comm)
         self.computed.extend(job.matrix.name for job in comm.owned)
         by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
         for i, m in enumerate(matrices):
@@ -201,7 +209,7 @@ class MuonPipeline:
         return outputs
 
     def launch_scatter(self, comm: _ChunkComm, outputs: List[torch.Tensor]) -> _Pending:
-        self.trace.append(("launch_scatter", comm.chunk.index))
+        self._event("launch_scatter", comm)
         flat_pieces = [self._split_pieces(job, out) for job, out in zip(comm.owned, outputs)]
         parts = [flat_pieces[j][tp][o : o + n] for j, tp, o, n in comm.scatter_send]
         send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
@@ -222,11 +230,11 @@ class MuonPipeline:
     def complete_scatter(self, comm: _ChunkComm, pending: _Pending) -> torch.Tensor:
         if pending.work is not None:
             pending.work.wait()
-        self.trace.append(("complete_scatter", comm.chunk.index))
+        self._event("complete_scatter", comm)
         return pending.recv
 
     def update(self, comm: _ChunkComm, recv: torch.Tensor, apply: UpdateFn) -> None:
-        self.trace.append(("update", comm.chunk.index))
+        self._event("update", comm)
         for param_index, start, end, offset in comm.scatter_apply:
             apply(param_index, start, end, recv[offset : offset + end - start])
 
@@ -244,7 +252,6 @@ class MuonPipeline:
         momentum (Nesterov) of param ``p`` (None where this rank holds nothing).
         ``while_first_gather_in_flight`` runs after the first gathers are launched and
         before the first is waited on (the expert batch hides communication there)."""
-        self.trace = []
         self.computed = []
         gathers: deque = deque()
         scatters: deque = deque()
