@@ -21,6 +21,7 @@ same way.
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -51,6 +52,12 @@ class LogicalMatrix:
     rank order, along ``tp_dim``. ``replicated`` marks a parameter that every TP rank
     holds identically (not tensor-parallel): its matrix is read from TP rank 0 and the
     update is written to every TP rank.
+
+    ``column_groups > 1`` says that each piece is really ``column_groups`` matrices side by
+    side (``[gate | up]`` halves of fused legacy expert storage): the owner gathers the
+    whole unit and orthogonalizes each column group, joined across TP ranks, on its own.
+    Column groups are not contiguous in memory, so splitting them after the gather keeps
+    the communication plan small.
     """
 
     name: str
@@ -64,6 +71,7 @@ class LogicalMatrix:
     """'q', 'k', 'v', 'gate', 'up', ... (QK-Clip and diagnostics)."""
     index: Optional[int] = None
     """Head, query-group or expert index where the matrix is one of several."""
+    column_groups: int = 1
 
     @property
     def piece_shape(self) -> Tuple[int, int]:
@@ -80,9 +88,15 @@ class LogicalMatrix:
         return (rows * n, cols) if self.tp_dim == 0 else (rows, cols * n)
 
     @property
+    def ns_shape(self) -> Tuple[int, int]:
+        """Shape of each Newton–Schulz input (one per column group)."""
+        rows, cols = self.shape
+        return rows, cols // self.column_groups
+
+    @property
     def scale_shape(self) -> Tuple[int, int]:
         """(out, in) for the update scale."""
-        rows, cols = self.shape
+        rows, cols = self.ns_shape
         return (cols, rows) if self.transposed else (rows, cols)
 
     def blockwise(self) -> List["LogicalMatrix"]:
@@ -98,6 +112,7 @@ class LogicalMatrix:
                 transposed=self.transposed,
                 role=self.role,
                 index=self.index,
+                column_groups=self.column_groups,
             )
             for t, blocks in self.pieces
         ]
@@ -161,8 +176,24 @@ def whole_matrix(ctx: ParamContext, blocks: Optional[Sequence[Block]] = None, **
     )
 
 
+_WEIGHT = re.compile(r"weight\d*$")
+
+
+def is_linear_module(module: torch.nn.Module) -> bool:
+    """A linear layer whose 2-D ``weight`` (or ``weight<i>`` of a grouped linear) is one
+    (out, in) matrix: Megatron's parallel linears, transformer-engine's, torch's."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import Router
+
+    if isinstance(module, (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear, Router)):
+        return True
+    # transformer-engine classes (TELinear, TEColumnParallelGroupedLinear, ...) are only
+    # importable where TE is installed; recognise them by name.
+    return type(module).__name__.endswith(("Linear", "GroupedLinear"))
+
+
 def _plain_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
-    if ctx.param.dim() != 2:
+    if ctx.param.dim() != 2 or not is_linear_module(ctx.module) or not _WEIGHT.match(ctx.attr):
         return None
     return [whole_matrix(ctx)]
 
@@ -250,9 +281,11 @@ def glu_halves(ctx: ParamContext, offset: int, rows: int, cols: int, prefix: str
 
 
 def _glu_fc1_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
-    from megatron.core.transformer.mlp import MLP
-
-    if not (isinstance(ctx.parent, MLP) and ctx.parent_attr == "linear_fc1" and ctx.attr == "weight"):
+    """Gated fc1 of a dense MLP, a SequentialMLP expert (an MLP too) or a TEGroupedMLP
+    (``linear_fc1.weight<i>``, one expert each): rows are [gate; up] on every TP rank."""
+    if ctx.parent_attr != "linear_fc1" or not _WEIGHT.match(ctx.attr) or ctx.param.dim() != 2:
+        return None
+    if not is_linear_module(ctx.module):
         return None
     if not (ctx.config.muon_split_glu and ctx.model_config.gated_linear_unit):
         return None
@@ -262,9 +295,59 @@ def _glu_fc1_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
     return glu_halves(ctx, 0, rows, cols)
 
 
+def _legacy_grouped_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
+    """Fused expert storage of the legacy ``GroupedMLP``: ``weight1`` is stored
+    ``[hidden, E * ffn(*2 if GLU)]`` but read as ``view(E, hidden, -1)``, ``weight2`` as
+    ``view(E, -1, hidden)``: expert e's matrix is the e-th contiguous block of memory, in
+    (in, out) orientation. TP slices the ffn dim of each expert's view."""
+    module = ctx.module
+    if ctx.attr not in ("weight1", "weight2") or not hasattr(module, "num_local_experts"):
+        return None
+    experts = int(module.num_local_experts)
+    hidden = ctx.model_config.hidden_size
+    numel = ctx.param.numel()
+    if numel % (experts * hidden):
+        raise ctx.shape_error(f"{experts} local experts x hidden_size={hidden}")
+    ffn = numel // (experts * hidden)
+    glu = ctx.attr == "weight1" and ctx.model_config.gated_linear_unit
+    split = glu and ctx.config.muon_split_glu
+    if split and ffn % 2:
+        raise ctx.shape_error("gated_linear_unit: weight1 columns must be [gate | up] halves")
+    if ctx.attr == "weight1":
+        rows, cols, tp_dim = hidden, ffn, 1  # view (hidden, ffn_local [*2])
+    else:
+        rows, cols, tp_dim = ffn, hidden, 0  # view (ffn_local, hidden)
+    tp_dim = tp_dim if ctx.tp_size > 1 else None
+    ep_rank = _expert_rank(ctx)
+    return [
+        LogicalMatrix(
+            name=f"{ctx.name}[expert{ep_rank * experts + e}]",
+            param_name=ctx.name,
+            pieces=_every_tp(ctx, [Block(e * rows * cols, rows, cols)]),
+            tp_dim=tp_dim,
+            transposed=True,
+            role="fc1" if ctx.attr == "weight1" else "fc2",
+            index=ep_rank * experts + e,
+            column_groups=2 if split else 1,
+        )
+        for e in range(experts)
+    ]
+
+
+def _expert_rank(ctx: ParamContext) -> int:
+    """This rank's expert-parallel rank (0 when expert parallelism is not initialised)."""
+    try:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_expert_model_parallel_rank()
+    except (AssertionError, AttributeError, RuntimeError):
+        return 0
+
+
 register_layout("plain", _plain_rule)
 register_layout("glu_fc1", _glu_fc1_rule)
 register_layout("fused_qkv", _fused_qkv_rule)
+register_layout("legacy_grouped_mlp", _legacy_grouped_rule)
 
 
 # ---------------------------------------------------------------------------------------

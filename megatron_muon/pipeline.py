@@ -168,8 +168,8 @@ class MuonPipeline:
         send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
         return self._exchange("muon_gather", send, comm.gather_send_splits, comm.gather_recv_splits)
 
-    def complete_gather(self, comm: _ChunkComm, pending: _Pending) -> List[torch.Tensor]:
-        """Wait for the pieces; return the owned matrices (fp32), in ``comm.owned`` order."""
+    def complete_gather(self, comm: _ChunkComm, pending: _Pending) -> List[List[torch.Tensor]]:
+        """Wait for the pieces; return, per owned job, its Newton–Schulz inputs (fp32)."""
         if pending.work is not None:
             pending.work.wait()
         self._event("complete_gather", comm)
@@ -177,38 +177,41 @@ class MuonPipeline:
         pieces: List[Dict[int, torch.Tensor]] = []
         for job in comm.owned:
             rows, cols = job.matrix.piece_shape
-            tps = [t for t, _ in job.matrix.pieces if any(s.tp == t for s in job.sources)]
+            tps = sorted({s.tp for s in job.sources})
             pieces.append({t: torch.empty(rows * cols, dtype=torch.float32, device=recv.device) for t in tps})
         for job_pos, tp, piece_offset, recv_offset, numel in comm.gather_place:
             pieces[job_pos][tp][piece_offset : piece_offset + numel] = recv[recv_offset : recv_offset + numel]
         return [self._assemble(job, p) for job, p in zip(comm.owned, pieces)]
 
     @staticmethod
-    def _assemble(job: Job, pieces: Dict[int, torch.Tensor]) -> torch.Tensor:
-        rows, cols = job.matrix.piece_shape
-        mats = [pieces[t].view(rows, cols) for t in sorted(pieces)]
-        if len(mats) == 1:
-            return mats[0]
-        return torch.cat(mats, dim=job.matrix.tp_dim)
+    def _assemble(job: Job, pieces: Dict[int, torch.Tensor]) -> List[torch.Tensor]:
+        """Join the TP pieces along the partition dim, one matrix per column group."""
+        m = job.matrix
+        rows, cols = m.piece_shape
+        groups = [pieces[t].view(rows, cols).chunk(m.column_groups, dim=1) for t in sorted(pieces)]
+        if len(groups) == 1:
+            return list(groups[0])
+        return [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)]
 
-    def compute(self, comm: _ChunkComm, matrices: List[torch.Tensor]) -> List[torch.Tensor]:
+    def compute(self, comm: _ChunkComm, matrices: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
         """Batched Newton–Schulz per shape, times each job's update scale."""
         self._event("compute", comm)
         self.computed.extend(job.matrix.name for job in comm.owned)
-        by_shape: Dict[Tuple[int, int], List[int]] = defaultdict(list)
-        for i, m in enumerate(matrices):
-            by_shape[tuple(m.shape)].append(i)
-        outputs: List[Optional[torch.Tensor]] = [None] * len(matrices)
-        for indices in by_shape.values():
-            stack = torch.stack([matrices[i] for i in indices])
+        by_shape: Dict[Tuple[int, int], List[Tuple[int, int]]] = defaultdict(list)
+        for i, group in enumerate(matrices):
+            for k, m in enumerate(group):
+                by_shape[tuple(m.shape)].append((i, k))
+        outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
+        for members in by_shape.values():
+            stack = torch.stack([matrices[i][k] for i, k in members])
             ortho = newton_schulz(stack, self.ns_steps, self.coefficients, self.ns_dtype)
-            scale = torch.tensor([self.scales[comm.owned[i].index] for i in indices], dtype=ortho.dtype, device=ortho.device)
-            ortho = ortho * scale.view(-1, 1, 1)
-            for k, i in enumerate(indices):
-                outputs[i] = ortho[k]
+            scales = [self.scales[comm.owned[i].index] for i, _ in members]
+            ortho = ortho * torch.tensor(scales, dtype=ortho.dtype, device=ortho.device).view(-1, 1, 1)
+            for row, (i, k) in enumerate(members):
+                outputs[i][k] = ortho[row]
         return outputs
 
-    def launch_scatter(self, comm: _ChunkComm, outputs: List[torch.Tensor]) -> _Pending:
+    def launch_scatter(self, comm: _ChunkComm, outputs: List[List[torch.Tensor]]) -> _Pending:
         self._event("launch_scatter", comm)
         flat_pieces = [self._split_pieces(job, out) for job, out in zip(comm.owned, outputs)]
         parts = [flat_pieces[j][tp][o : o + n] for j, tp, o, n in comm.scatter_send]
@@ -216,16 +219,21 @@ class MuonPipeline:
         return self._exchange("muon_scatter", send, comm.scatter_send_splits, comm.scatter_recv_splits)
 
     @staticmethod
-    def _split_pieces(job: Job, out: torch.Tensor) -> Dict[int, torch.Tensor]:
-        """The result cut back into each destination TP rank's flat piece."""
+    def _split_pieces(job: Job, outs: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
+        """The results cut back into each destination TP rank's flat piece."""
         m = job.matrix
         dest_tps = sorted({s.tp for s in job.dests})
         if m.replicated or len(m.pieces) == 1:
-            flat = out.reshape(-1)
+            flat = torch.cat(outs, dim=1).reshape(-1) if len(outs) > 1 else outs[0].reshape(-1)
             return {t: flat for t in dest_tps}
-        chunks = out.chunk(len(m.pieces), dim=m.tp_dim)
         order = [t for t, _ in m.pieces]
-        return {t: chunks[order.index(t)].contiguous().view(-1) for t in dest_tps}
+        per_group = [out.chunk(len(order), dim=m.tp_dim) for out in outs]
+        return {
+            t: torch.cat([g[order.index(t)] for g in per_group], dim=1).reshape(-1)
+            if len(outs) > 1
+            else per_group[0][order.index(t)].contiguous().view(-1)
+            for t in dest_tps
+        }
 
     def complete_scatter(self, comm: _ChunkComm, pending: _Pending) -> torch.Tensor:
         if pending.work is not None:

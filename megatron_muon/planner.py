@@ -147,7 +147,7 @@ def make_jobs(
 
     def add(param_index: int, matrix: LogicalMatrix, src_tps, dst_tps, owner_tp):
         ranges = dp_ranges[param_index]
-        rows, cols = matrix.shape
+        rows, cols = matrix.ns_shape
         jobs.append(
             Job(
                 index=len(jobs),
@@ -156,7 +156,7 @@ def make_jobs(
                 sources=segments(matrix, ranges, src_tps),
                 dests=segments(matrix, ranges, dst_tps),
                 owner_tp=owner_tp,
-                flops=newton_schulz_flops(rows, cols, ns_steps),
+                flops=newton_schulz_flops(rows, cols, ns_steps, batch=matrix.column_groups),
             )
         )
 
