@@ -334,6 +334,18 @@ def _legacy_grouped_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
     ]
 
 
+def _expert_prefix() -> str:
+    """'ep<r>.' on expert-parallel rank r when expert parallelism is on, else ''."""
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.get_expert_model_parallel_world_size() > 1:
+            return f"ep{parallel_state.get_expert_model_parallel_rank()}."
+    except (AssertionError, AttributeError, RuntimeError):
+        pass
+    return ""
+
+
 def _expert_rank(ctx: ParamContext) -> int:
     """This rank's expert-parallel rank (0 when expert parallelism is not initialised)."""
     try:
@@ -449,6 +461,7 @@ def collect_muon_params(
     matrices) and scalar params (name, param)."""
     muon, scalar = [], []
     multi = len(model_chunks) > 1
+    ep_prefix = _expert_prefix()
     for chunk_index, chunk in enumerate(model_chunks):
         model = unwrap(chunk)
         model_config = getattr(model, "config", None)
@@ -460,8 +473,11 @@ def collect_muon_params(
             if not is_muon_param(name, param, module, config):
                 scalar.append((name, param))
                 continue
+            display = f"chunk{chunk_index}.{name}" if multi else name
+            if not getattr(param, "allreduce", True):
+                display = ep_prefix + display  # local expert indices repeat on every EP rank
             ctx = ParamContext(
-                name=f"chunk{chunk_index}.{name}" if multi else name,
+                name=display,
                 param=param,
                 module=module,
                 attr=attr,
