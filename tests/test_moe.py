@@ -96,3 +96,20 @@ def _moe_50_steps():
 def test_moe_trains_50_steps():
     losses = run_distributed(_moe_50_steps, 2, ep=2)[0]
     assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
+
+
+def test_deepseek_v3_layer_plan_without_building_the_model():
+    """The planner on shapes alone: one DeepSeek-V3 MoE layer (256 experts, EP 64)."""
+    from megatron_muon.newton_schulz import newton_schulz_flops
+    from megatron_muon.synthetic import deepseek_v3_expert_plan
+
+    fc1 = newton_schulz_flops(2 * 2048, 7168)
+    fc2 = newton_schulz_flops(7168, 2048)
+    for edp in (1, 4, 8):
+        stats = deepseek_v3_expert_plan(edp_size=edp)
+        assert stats["experts_per_ep_rank"] == 4 and stats["matrices"] == 8
+        loads = stats["ns_flops_per_rank"]
+        assert len(loads) == edp and sum(loads) == 4 * (fc1 + fc2)
+        assert max(loads) - min(loads) <= stats["max_job_flops"]
+    split = deepseek_v3_expert_plan(edp_size=1, muon_split_glu=True)
+    assert split["matrices"] == 12
