@@ -1,5 +1,7 @@
 """megatron-muon: exact, distributed Muon / MuonClip for Megatron-core."""
 
+import glob
+
 from setuptools import find_packages, setup
 
 setup(
@@ -16,6 +18,13 @@ setup(
         "psutil",
         "pyyaml",
     ],
+    entry_points={
+        "console_scripts": [
+            "megatron-muon-pretrain = megatron_muon.megatron_lm.pretrain:main",
+            "megatron-muon-preprocess-data = megatron_muon.megatron_lm.preprocess:main",
+        ]
+    },
+    data_files=[("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml")))],
     extras_require={
         "test": ["pytest", "pytest-timeout"],
         # Megatron-core's own Muon (used only by comparison tests and benchmarks).

@@ -17,6 +17,7 @@ from megatron.core.optimizer import OptimizerConfig
 TP_MODES = ("exact", "blockwise", "duplicated")
 SCALE_MODES = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
 QKV_SPLITS = ("part", "group", "head")
+MLA_SPLITS = ("none", "part", "head")
 SCALAR_OPTIMIZERS = ("adam",)
 ROUTER_OPTIMIZERS = ("adam", "muon")
 
@@ -92,6 +93,11 @@ class MuonConfig(OptimizerConfig):
     as Megatron-core and Moonlight do), 'group' (Q, K, V of each query group), 'head'
     (each query head and each K/V head on its own)."""
 
+    muon_split_mla: str = "part"
+    """Split of multi-latent-attention up-projections: 'none' (each weight whole), 'part'
+    (q nope / q rope of all heads; k nope / v of all heads), 'head' (each of those per
+    head)."""
+
     muon_split_glu: bool = False
     """Orthogonalize the gate and up halves of a gated ``linear_fc1`` separately."""
 
@@ -117,6 +123,7 @@ class MuonConfig(OptimizerConfig):
             ("muon_tp_mode", self.muon_tp_mode, TP_MODES),
             ("muon_scale_mode", self.muon_scale_mode, SCALE_MODES),
             ("muon_qkv_split", self.muon_qkv_split, QKV_SPLITS),
+            ("muon_split_mla", self.muon_split_mla, MLA_SPLITS),
             ("muon_scalar_optimizer", self.muon_scalar_optimizer, SCALAR_OPTIMIZERS),
             ("muon_router_optimizer", self.muon_router_optimizer, ROUTER_OPTIMIZERS),
         ]

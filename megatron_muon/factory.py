@@ -21,6 +21,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from .config import MuonConfig
 from .matrices import collect_muon_params
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
+from .qk_clip import QKClip
 
 
 def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
@@ -152,6 +153,7 @@ def get_muon_optimizer(
             [mp for mp in muon_params if id(mp.param) in params],
             name="expert" if expert else "dense",
             events=events,
+            qk_clip=None if expert else QKClip.from_model(model_chunks, groups["dp_cp_group"], groups["mp_group"]),
         )
         # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
         opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]

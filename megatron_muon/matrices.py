@@ -210,28 +210,29 @@ def _qkv_parts(model_config) -> List[Tuple[str, int]]:
     return parts + [("k", d), ("v", d)]
 
 
-def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
-    from megatron.core.transformer.attention import SelfAttention
+def grouped_rows(
+    ctx: ParamContext,
+    groups: int,
+    parts: Sequence[Tuple[str, int]],
+    granularity: str,
+    heads_in: Optional[Dict[str, int]] = None,
+) -> List[LogicalMatrix]:
+    """Logical matrices of a column-parallel weight whose rows are ``groups`` repeats of
+    ``parts`` ((role, rows), in storage order), the groups split evenly over TP ranks.
 
-    if not (isinstance(ctx.parent, SelfAttention) and ctx.parent_attr == "linear_qkv"):
-        return None
-    if ctx.attr != "weight" or not ctx.config.muon_split_qkv:
-        return None
-    mc = ctx.model_config
-    heads = mc.num_attention_heads
-    groups = mc.num_query_groups or heads
-    d = mc.kv_channels
-    parts = _qkv_parts(mc)
+    granularity 'part': one matrix per role across all groups (and TP ranks); 'group':
+    one per (role, group), living on one TP rank; 'head': like 'group', with each role in
+    ``heads_in`` further cut into that many heads (the query heads of a GQA group).
+    """
     group_rows = sum(r for _, r in parts)
     rows, cols = ctx.param.shape
     if groups % ctx.tp_size or rows != groups // ctx.tp_size * group_rows or ctx.partition_dim not in (0, None):
         raise ctx.shape_error(
-            f"num_query_groups={groups}, num_attention_heads={heads}, kv_channels={d}: expected "
-            f"[{groups // max(ctx.tp_size, 1)} groups x {group_rows} rows, hidden]"
+            f"{groups} groups of parts {list(parts)}: expected "
+            f"[{groups // max(ctx.tp_size, 1)} x {group_rows} rows, {cols}]"
         )
     local_groups = groups // ctx.tp_size
-    heads_per_group = heads // groups
-    granularity = ctx.config.muon_qkv_split
+    heads_in = heads_in or {}
     out: List[LogicalMatrix] = []
 
     def block(g: int, part_offset: int, part_rows: int) -> Block:
@@ -243,19 +244,17 @@ def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
             blocks = [block(g, offset, part_rows) for g in range(local_groups)]
             out.append(whole_matrix(ctx, blocks, name=f"{ctx.name}[{role}]", role=role))
         else:
-            # Each query group (or head) lives on exactly one TP rank.
-            per = heads_per_group if (granularity == "head" and role.startswith("q")) else 1
+            per = heads_in.get(role, 1) if granularity == "head" else 1
             sub_rows = part_rows // per
             for t in range(ctx.tp_size):
                 for g in range(local_groups):
                     for h in range(per):
                         index = (t * local_groups + g) * per + h
-                        b = block(g, offset + h * sub_rows, sub_rows)
                         out.append(
                             LogicalMatrix(
                                 name=f"{ctx.name}[{role}{index}]",
                                 param_name=ctx.name,
-                                pieces=((t, (b,)),),
+                                pieces=((t, (block(g, offset + h * sub_rows, sub_rows),)),),
                                 tp_dim=None,
                                 role=role,
                                 index=index,
@@ -263,6 +262,45 @@ def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
                         )
         offset += part_rows
     return out
+
+
+def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
+    """Megatron's fused ``linear_qkv``: per query group, [q heads; (q gate;) k; v] rows."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    if not (isinstance(ctx.parent, SelfAttention) and ctx.parent_attr == "linear_qkv"):
+        return None
+    if ctx.attr != "weight" or not ctx.config.muon_split_qkv:
+        return None
+    mc = ctx.model_config
+    heads = mc.num_attention_heads
+    groups = mc.num_query_groups or heads
+    heads_per_group = heads // groups
+    return grouped_rows(
+        ctx, groups, _qkv_parts(mc), ctx.config.muon_qkv_split, {"q": heads_per_group, "q_gate": heads_per_group}
+    )
+
+
+def _mla_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
+    """Multi-latent attention up-projections, per head: ``linear_q_proj`` /
+    ``linear_q_up_proj`` rows are [q nope; q rope], ``linear_kv_up_proj`` rows are
+    [k nope; v]. (The down-projections stay whole: their TP slices do not align with the
+    latent / shared-rope boundary.)"""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    if not isinstance(ctx.parent, MultiLatentAttention) or ctx.attr != "weight":
+        return None
+    if ctx.config.muon_split_mla == "none":
+        return None
+    mc = ctx.model_config
+    if ctx.parent_attr in ("linear_q_proj", "linear_q_up_proj"):
+        parts = [("q_nope", mc.qk_head_dim), ("q_rope", mc.qk_pos_emb_head_dim)]
+    elif ctx.parent_attr == "linear_kv_up_proj":
+        parts = [("k_nope", mc.qk_head_dim), ("v", mc.v_head_dim)]
+    else:
+        return None
+    granularity = "group" if ctx.config.muon_split_mla == "head" else "part"
+    return grouped_rows(ctx, mc.num_attention_heads, parts, granularity)
 
 
 def glu_halves(ctx: ParamContext, offset: int, rows: int, cols: int, prefix: str = "", index=None):
@@ -360,6 +398,7 @@ register_layout("plain", _plain_rule)
 register_layout("glu_fc1", _glu_fc1_rule)
 register_layout("fused_qkv", _fused_qkv_rule)
 register_layout("legacy_grouped_mlp", _legacy_grouped_rule)
+register_layout("mla", _mla_rule)
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from .matrices import MuonParam
 from .pipeline import MuonPipeline
 from .planner import Plan, build_plan, plan_statistics
 from .process_groups import build_ortho_group
+from .qk_clip import QKClip
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +131,10 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         muon_params: Sequence[MuonParam],
         name: str = "dense",
         events: Optional[List[Tuple[str, str, int]]] = None,
+        qk_clip: Optional[QKClip] = None,
     ) -> None:
         self.name = name
+        self.qk_clip = qk_clip
         self.events = events if events is not None else []
         self.while_first_gather_in_flight: Optional[Callable[[], None]] = None
         """Work to run after the first gathers are launched (set by the chained optimizer)."""
@@ -208,12 +211,20 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
     def _muon_shards(self) -> List[Optional[torch.Tensor]]:
         """This rank's fp32 main shard of every Muon param (None where it holds nothing)."""
-        main_of_model = {}
+        self._main_of_model = {}
         for models, mains in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
-            main_of_model.update({id(m): s for m, s in zip(models, mains)})
+            self._main_of_model.update({id(m): s for m, s in zip(models, mains)})
         for models, mains in zip(self.model_fp32_groups, self.shard_fp32_groups):
-            main_of_model.update({id(m): s for m, s in zip(models, mains)})
-        return [main_of_model.get(id(mp.param)) for mp in self.muon_params]
+            self._main_of_model.update({id(m): s for m, s in zip(models, mains)})
+        return [self._main_of_model.get(id(mp.param)) for mp in self.muon_params]
+
+    def shard_of(self, param: torch.nn.Parameter) -> Optional[Tuple[torch.Tensor, int, int]]:
+        """This rank's fp32 master shard of any model param, with its flat range."""
+        main = self._main_of_model.get(id(param))
+        if main is None:
+            return None
+        rng = self._get_model_param_range_map(param)["param"]
+        return main, rng.start, rng.end
 
     # ------------------------------------------------------------------ the Muon step
     @torch.no_grad()
@@ -259,6 +270,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             main[start:end].add_(update.to(main.dtype), alpha=-lr)
 
         self.pipeline.run(inputs, apply, self.while_first_gather_in_flight)
+        if self.qk_clip is not None:
+            self.qk_clip.apply(self.shard_of)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -337,6 +350,25 @@ class MuonChainedOptimizer(ChainedOptimizer):
     def trace(self) -> List[Tuple[str, str, int]]:
         """Stage events of the last step of every pipeline, in execution order."""
         return list(self.events)
+
+    @property
+    def qk_clip(self) -> Optional[QKClip]:
+        return next((o.qk_clip for o in self.muon_optimizers if o.qk_clip is not None), None)
+
+    @property
+    def max_attention_logit(self) -> Optional[float]:
+        """The largest attention logit of the last step (QK-Clip / logging), or None."""
+        clip = self.qk_clip
+        return clip.max_attention_logit if clip is not None else None
+
+    @torch.no_grad()
+    def step(self):
+        try:
+            return super().step()
+        finally:
+            # A skipped step (inf/nan) still starts the next one with fresh recorders.
+            if self.qk_clip is not None:
+                self.qk_clip.reset()
 
     def _step(self) -> bool:
         self.events.clear()

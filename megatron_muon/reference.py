@@ -34,6 +34,10 @@ One ``ReferenceMuon.step()``, all fp32 on full tensors:
 6. ``lr`` = ``config.lr`` (or ``self.lr``, or ``step(lr=...)``); ``wd`` =
    ``config.weight_decay * wd_mult``, ``wd_mult`` = 0 for 1-D params and ``*.bias``,
    else 1 (Megatron's standard overrides).
+7. MuonClip (``muon_clip_``) when the model's ``TransformerConfig.qk_clip`` is set: per
+   head, from the max logits its core attention recorded during the step's forwards.
+   MLA up-projections split per head into [q nope; q rope] / [k nope; v] rows
+   (``muon_split_mla`` 'part' joins each part over the heads, 'head' keeps them apart).
 """
 
 from __future__ import annotations
@@ -96,6 +100,17 @@ def qkv_row_sets(nh: int, ng: int, d: int, granularity: str) -> List[List[int]]:
     return heads + k + v
 
 
+def mla_row_sets(heads: int, first: int, second: int, granularity: str) -> List[List[int]]:
+    """Row indices of the matrices of an MLA up-projection whose rows are, per head,
+    ``[first part; second part]`` (q: nope, rope; kv: k nope, v)."""
+    per = first + second
+    a = [list(range(h * per, h * per + first)) for h in range(heads)]
+    b = [list(range(h * per + first, (h + 1) * per)) for h in range(heads)]
+    if granularity == "part":
+        return [sum(a, []), sum(b, [])]
+    return a + b
+
+
 def logical_matrices(
     name: str, shape: Sequence[int], tconfig: Any, config: MuonConfig, module: Any = None
 ) -> List[LogicalMatrix]:
@@ -122,6 +137,11 @@ def logical_matrices(
         d = tconfig.kv_channels or tconfig.hidden_size // nh
         assert shape[0] == ng * (nh // ng + 2) * d, (name, shape, nh, ng, d)
         return [_rows(shape, rows) for rows in qkv_row_sets(nh, ng, d, config.muon_qkv_split)]
+    mla = re.search(r"(linear_q_proj|linear_q_up_proj|linear_kv_up_proj)\.weight$", name)
+    if mla and getattr(tconfig, "multi_latent_attention", False) and config.muon_split_mla != "none":
+        second = tconfig.qk_pos_emb_head_dim if "_q_" in name else tconfig.v_head_dim
+        return [_rows(shape, rows) for rows in mla_row_sets(
+            tconfig.num_attention_heads, tconfig.qk_head_dim, second, config.muon_split_mla)]
     if re.search(r"linear_fc1\.weight\d*$", name) and glu and config.muon_split_glu:
         half = shape[0] // 2
         return [_rows(shape, range(half)), _rows(shape, range(half, shape[0]))]
@@ -173,6 +193,46 @@ def adamw_update(p, g, state, lr: float, wd: float, config: MuonConfig) -> None:
     p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - b1**step))
 
 
+def muon_clip_(modules: Sequence[torch.nn.Module], tconfig: Any) -> None:
+    """MuonClip (Kimi K2, Algorithm 1) on full weights, one head at a time, then reset the
+    recorders. ``gamma_h = min(1, tau / S_h)``. MHA/GQA: K rows of group g scaled by
+    ``min_{h in g} gamma_h ** (1 - alpha)``, Q rows of head h by ``gamma_h`` divided by that,
+    so every head's logits scale by exactly ``gamma_h``. MLA: q nope and k nope rows of
+    head h by ``sqrt(gamma_h)``, q rope rows by ``gamma_h``; v and the shared k rope untouched."""
+    if not modules:
+        return
+    tau, alpha = tconfig.qk_clip_threshold, tconfig.qk_clip_alpha
+    for attn in modules:
+        core = attn.core_attention
+        s_max = core.current_max_attn_logits
+        core.current_max_attn_logits = None
+        if not tconfig.qk_clip or s_max is None:
+            continue
+        gamma = [min(1.0, tau / float(s)) for s in s_max]
+        heads = len(gamma)
+        if hasattr(attn, "linear_qkv"):
+            w = attn.linear_qkv.weight.data
+            groups = tconfig.num_query_groups or heads
+            qpg, d = heads // groups, tconfig.kv_channels
+            per_group = (qpg + 2) * d
+            for g in range(groups):
+                k_scale = min(gamma[g * qpg:(g + 1) * qpg]) ** (1 - alpha)
+                k0 = g * per_group + qpg * d
+                w[k0:k0 + d] *= k_scale
+                for i in range(qpg):
+                    q0 = g * per_group + i * d
+                    w[q0:q0 + d] *= gamma[g * qpg + i] / k_scale
+        else:
+            q_proj = getattr(attn, "linear_q_up_proj", None) or attn.linear_q_proj
+            wq, wkv = q_proj.weight.data, attn.linear_kv_up_proj.weight.data
+            nope, rope, v = tconfig.qk_head_dim, tconfig.qk_pos_emb_head_dim, tconfig.v_head_dim
+            for h in range(heads):
+                root = math.sqrt(gamma[h])
+                wq[h * (nope + rope):h * (nope + rope) + nope] *= root
+                wq[h * (nope + rope) + nope:(h + 1) * (nope + rope)] *= gamma[h]
+                wkv[h * (nope + v):h * (nope + v) + nope] *= root
+
+
 def wd_mult(name: str, param: torch.Tensor) -> float:
     """Megatron's standard override: no weight decay on 1-D params and biases."""
     return 0.0 if param.dim() == 1 or name.endswith(".bias") else 1.0
@@ -193,6 +253,10 @@ class ReferenceMuon:
         self.params: Dict[str, torch.nn.Parameter] = {}
         self.matrices: Dict[str, Optional[List[LogicalMatrix]]] = {}  # None: AdamW
         self.state: Dict[str, Dict[str, Any]] = {}
+        self.attention = [
+            m for c in chunks for m in _unwrap(c).modules() if hasattr(getattr(m, "core_attention", None), "current_max_attn_logits")
+        ]
+        self.tconfig = getattr(_unwrap(chunks[0]), "config", None)
         seen = set()
         for i, chunk in enumerate(chunks):
             chunk = _unwrap(chunk)
@@ -236,6 +300,7 @@ class ReferenceMuon:
                 adamw_update(p.data, grads[key], self.state[key], lr, wd, self.config)
             else:
                 muon_update(p.data, grads[key], self.state[key], lr, wd, self.matrices[key], self.config)
+        muon_clip_(self.attention, self.tconfig)
         return norm
 
 

@@ -47,6 +47,8 @@ class TinyModelSpec:
     bf16: bool = False
     fp16: bool = False
     sequence_parallel: bool = False
+    mla: bool = False
+    """Multi-latent attention (set by kind='mla'; combine with kind='moe' for MoE + MLA)."""
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,16 +58,15 @@ class TinyModelSpec:
             self.num_moe_experts = 4
             self.moe_ffn_hidden_size = self.moe_ffn_hidden_size or 64
         if self.kind == "mla":
-            raise NotImplementedError(
-                "MLA needs megatron_muon's own core attention (the local DotProductAttention "
-                "rejects k_channels/v_channels); it arrives with the QK-Clip work."
-            )
+            self.mla = True
+        if self.mla:
+            self.num_query_groups = None
 
 
 def transformer_config(spec: TinyModelSpec):
     """The Megatron ``TransformerConfig`` for ``spec`` in the current parallel layout."""
     from megatron.core import parallel_state
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     kwargs: Dict[str, Any] = dict(
@@ -111,6 +112,15 @@ def transformer_config(spec: TinyModelSpec):
             moe_aux_loss_coeff=0.0,
             moe_grouped_gemm=False,
         )
+    if spec.mla:
+        # Small MLA: latent q and kv, per head 16 nope + 8 rope dims for q/k, 16 for v.
+        # Megatron's local MLA spec puts RMSNorms on the latents (qk_layernorm).
+        kwargs.update(
+            q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+            v_head_dim=16, rope_type="rope", qk_layernorm=True,
+        )
+        kwargs.update(spec.extra)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(spec.extra)
     return TransformerConfig(**kwargs)
 
@@ -119,11 +129,18 @@ def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module
     """Build this rank's ``GPTModel`` chunk(s) (several with virtual pipeline stages)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from ..layer_specs import gpt_block_spec, gpt_layer_spec
 
     config = config or transformer_config(spec)
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=spec.num_moe_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+    # Megatron's local spec with our max-logit-recording core attention (MHA/GQA/MLA) and
+    # a sequence-parallel-capable torch norm.
+    layer_spec = gpt_layer_spec(
+        num_experts=spec.num_moe_experts,
+        multi_latent_attention=spec.mla,
+        qk_layernorm=spec.mla or bool(spec.extra.get("qk_layernorm", False)),
+        normalization="RMSNorm",
+        use_te=False,
     )
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
@@ -132,7 +149,7 @@ def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module
         chunks.append(
             GPTModel(
                 config=config,
-                transformer_layer_spec=layer_spec,
+                transformer_layer_spec=gpt_block_spec(config, layer_spec, vp_stage=vp),
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.seq_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

@@ -1,0 +1,113 @@
+"""A plain-torch core attention for Megatron layer specs that records per-head max logits.
+
+QK-Clip needs, for every attention head, the largest pre-softmax logit ``q . k * scale``
+seen in the step. Transformer-engine's attention records it in
+``core_attention.current_max_attn_logits`` (when ``config.qk_clip`` or
+``config.log_max_attention_logit`` is set); Megatron's local ``DotProductAttention``
+records nothing and rejects the ``k_channels`` / ``v_channels`` that multi-latent
+attention passes. ``RecordingDotProductAttention`` does both, without transformer-engine
+and on the CPU: MHA, GQA and MLA, causal or with an explicit mask.
+
+The record is a running max over the micro-batches of a step (a ``[heads_per_partition]``
+fp32 tensor); the optimizer all-reduces it over data/context-parallel ranks, uses it, and
+resets it to ``None``. The logits tensor is the one softmax needs anyway; recording is
+one ``amax`` over it, no second copy kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+
+class RecordingDotProductAttention(MegatronModule):
+    """Core attention (softmax(q k^T * scale) v) that records per-head max logits."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError(
+                "RecordingDotProductAttention does not implement context parallelism; use "
+                "transformer-engine's attention (it records max logits too) for CP > 1."
+            )
+        if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
+            raise NotImplementedError("RecordingDotProductAttention supports vanilla full/causal softmax only.")
+        if pg_collection is not None:
+            tp_size = pg_collection.tp.size()
+        else:
+            from megatron.core import parallel_state
+
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.heads = config.num_attention_heads // tp_size
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp_size
+        self.k_channels = k_channels or config.kv_channels
+        self.v_channels = v_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.k_channels)
+        self.dropout = torch.nn.Dropout(config.attention_dropout if attention_dropout is None else attention_dropout)
+        self.record = bool(getattr(config, "qk_clip", False) or getattr(config, "log_max_attention_logit", False))
+        self.current_max_attn_logits: Optional[torch.Tensor] = None
+
+    def _record(self, scores: torch.Tensor, masked: Optional[torch.Tensor]) -> None:
+        with torch.no_grad():
+            s = scores.detach().float()
+            if masked is not None:
+                s = s.masked_fill(masked, float("-inf"))
+            step_max = s.amax(dim=(0, 2, 3))
+            prev = self.current_max_attn_logits
+            self.current_max_attn_logits = step_max if prev is None else torch.maximum(prev, step_max)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        """q ``[sq, b, np, hk]``, k ``[sk, b, ng, hk]``, v ``[sk, b, ng, hv]`` -> ``[sq, b, np*hv]``."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("RecordingDotProductAttention: packed sequences / attention bias")
+        repeat = query.shape[2] // key.shape[2]
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+        # [b, np, sq, sk]
+        scores = torch.einsum("sbnd,tbnd->bnst", query, key) * self.softmax_scale
+        sq, sk = scores.shape[-2:]
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        masked = attention_mask
+        if masked is None and mask_type == AttnMaskType.causal:
+            masked = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
+        if self.record and self.training:
+            self._record(scores, masked)
+        if masked is not None:
+            scores = scores.masked_fill(masked, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
+        if self.config.sequence_parallel:
+            probs = self.dropout(probs)
+        else:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                probs = self.dropout(probs)
+        context = torch.einsum("bnst,tbnd->sbnd", probs, value)
+        return context.reshape(context.shape[0], context.shape[1], -1)

@@ -1,0 +1,76 @@
+"""GPT layer and block specs with the pieces Muon / QK-Clip need, on any backend.
+
+* Without transformer-engine: Megatron's local spec, with ``RecordingDotProductAttention``
+  as core attention (records per-head max logits; accepts MLA's k/v channel sizes) and
+  ``SequenceParallelNorm`` as norm (so TP + sequence parallelism, which MoE requires,
+  runs without Apex or TE).
+* With transformer-engine installed (``use_te=True``): Megatron's TE spec unchanged; TE's
+  attention records max logits itself when ``config.qk_clip`` is set.
+
+``gpt_block_spec`` wraps a layer spec into a block spec for the layers of one pipeline
+stage, with the same sequence-parallel-capable final norm.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .attention import RecordingDotProductAttention
+from .norms import SequenceParallelNorm, use_sequence_parallel_norms
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpt_layer_spec(
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: bool = False,
+    qk_layernorm: bool = False,
+    multi_latent_attention: bool = False,
+    normalization: str = "RMSNorm",
+    use_te: Optional[bool] = None,
+):
+    """A transformer-layer ``ModuleSpec`` for dense, MoE and MLA GPT models."""
+    use_te = transformer_engine_available() if use_te is None else use_te
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=moe_grouped_gemm,
+            qk_layernorm=qk_layernorm,
+            multi_latent_attention=multi_latent_attention,
+        )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_layernorm=qk_layernorm,
+        multi_latent_attention=multi_latent_attention,
+        normalization=normalization,
+    )
+    spec.submodules.self_attention.submodules.core_attention = RecordingDotProductAttention
+    use_sequence_parallel_norms(spec)
+    return spec
+
+
+def gpt_block_spec(config, layer_spec, vp_stage: Optional[int] = None):
+    """Block spec for this pipeline stage's layers (final norm supports sequence parallelism)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    norm = SequenceParallelNorm if not transformer_engine_available() else None
+    if norm is None:
+        from megatron.core.transformer.transformer_block import LayerNormImpl
+
+        norm = LayerNormImpl
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)

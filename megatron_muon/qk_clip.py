@@ -1,0 +1,206 @@
+"""QK-Clip (MuonClip): keep attention logits bounded by rescaling q/k weights per head.
+
+After each optimizer update, for every attention head h with max pre-softmax logit
+``S_h`` in the step (recorded by the core attention, all-reduced with MAX over the
+data- and context-parallel ranks, which saw different tokens), ``gamma_h =
+min(1, tau / S_h)`` and the weights producing q and k are scaled so that head h's
+logits scale by exactly ``gamma_h``:
+
+* MHA / GQA (fused ``linear_qkv``): the K head of group g, shared by its query heads,
+  by ``m_g ** (1 - alpha)`` with ``m_g = min_{h in g} gamma_h``; each Q head by
+  ``gamma_h / m_g ** (1 - alpha)``. For MHA that is ``gamma ** alpha`` and
+  ``gamma ** (1 - alpha)``; for GQA no sibling head is clipped more than it needs.
+* MLA (Kimi K2, Algorithm 1): q nope rows and k nope rows (``linear_kv_up_proj``) of
+  head h by ``sqrt(gamma_h)``, q rope rows by ``gamma_h``; v rows and the shared k rope
+  (in ``linear_kv_down_proj``) untouched.
+
+The scaling is applied to the distributed optimizer's fp32 master shards: each rank
+scales the rows its shard covers (a shard is a byte range, so it may start and end
+mid-row), and the usual master -> model copy and parameter all-gather follow. Heads are
+local to their TP rank and layers to their pipeline stage, so no other communication is
+needed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+ShardLookup = Callable[[torch.nn.Parameter], Optional[Tuple[torch.Tensor, int, int]]]
+"""param -> (fp32 master shard, start, end in the param's flat storage) or None."""
+
+
+@dataclass
+class ClipLayer:
+    """One attention layer: its recorder and the weights whose rows QK-Clip scales."""
+
+    name: str
+    attention: torch.nn.Module
+    kind: str  # "gqa" or "mla"
+    weights: List[Tuple[str, torch.nn.Parameter]]
+    heads: int
+    groups: int
+
+    @property
+    def recorder(self) -> torch.nn.Module:
+        return self.attention.core_attention
+
+
+def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.ones(n, dtype=like.dtype, device=like.device)
+
+
+def row_factors(layer: ClipLayer, gamma: torch.Tensor, tconfig) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    """Per-row scale factors of each weight of ``layer`` for per-head ``gamma``."""
+    if layer.kind == "gqa":
+        hpg = layer.heads // layer.groups
+        d = tconfig.kv_channels
+        k_scale = gamma.view(layer.groups, hpg).amin(dim=1) ** (1 - tconfig.qk_clip_alpha)
+        q_scale = gamma / k_scale.repeat_interleave(hpg)
+        rows = []
+        for g in range(layer.groups):
+            rows.append(q_scale[g * hpg:(g + 1) * hpg].repeat_interleave(d))
+            if getattr(tconfig, "attention_output_gate", False):
+                rows.append(_ones(hpg * d, gamma))
+            rows += [k_scale[g].expand(d), _ones(d, gamma)]
+        return [(layer.weights[0][1], torch.cat(rows))]
+    nope, rope, v = tconfig.qk_head_dim, tconfig.qk_pos_emb_head_dim, tconfig.v_head_dim
+    root = gamma.sqrt()
+    q_rows = torch.cat([torch.cat([root[h].expand(nope), gamma[h].expand(rope)]) for h in range(layer.heads)])
+    kv_rows = torch.cat([torch.cat([root[h].expand(nope), _ones(v, gamma)]) for h in range(layer.heads)])
+    return [(layer.weights[0][1], q_rows), (layer.weights[1][1], kv_rows)]
+
+
+def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: torch.Tensor) -> None:
+    """Multiply the elements ``start:end`` of a row-major ``[rows, cols]`` weight, held as
+    the 1-D ``shard``, by their row's factor (the range may start/end mid-row)."""
+    pos = start
+    while pos < end:
+        row = pos // cols
+        row_end = min((row + 1) * cols, end)
+        if pos % cols == 0 and row_end - pos == cols:
+            # A run of whole rows: one broadcast multiply.
+            last = (end // cols)
+            n = last - row
+            shard[pos - start:pos - start + n * cols].view(n, cols).mul_(factors[row:last, None].to(shard.dtype))
+            pos += n * cols
+        else:
+            shard[pos - start:row_end - start].mul_(factors[row].to(shard.dtype))
+            pos = row_end
+
+
+class QKClip:
+    """QK-Clip for the attention layers of this rank's model chunks."""
+
+    def __init__(self, layers: Sequence[ClipLayer], tconfig, dp_cp_group, mp_group) -> None:
+        self.layers = list(layers)
+        self.tconfig = tconfig
+        self.dp_cp_group = dp_cp_group
+        self.mp_group = mp_group
+        self.clip = bool(tconfig.qk_clip)
+        self.last_max_logits: Optional[torch.Tensor] = None
+        """Per head (this rank's layers, concatenated) max logits of the last step."""
+        self.max_attention_logit: float = 0.0
+        """Largest logit of the last step over the whole model (for logging)."""
+
+    @classmethod
+    def from_model(cls, model_chunks: Sequence[torch.nn.Module], dp_cp_group, mp_group) -> Optional["QKClip"]:
+        """QK-Clip if the model config asks for it (``qk_clip`` or ``log_max_attention_logit``)."""
+        from megatron.core.transformer.attention import SelfAttention
+        from megatron.core.transformer.identity_op import IdentityOp
+        from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+        from .matrices import unwrap
+
+        tconfig = getattr(unwrap(model_chunks[0]), "config", None)
+        if tconfig is None or not (getattr(tconfig, "qk_clip", False) or getattr(tconfig, "log_max_attention_logit", False)):
+            return None
+        if tconfig.qk_clip and not 0.0 < tconfig.qk_clip_alpha < 1.0:
+            raise ValueError(f"qk_clip_alpha must be in (0, 1), got {tconfig.qk_clip_alpha}.")
+        layers = []
+        for i, chunk in enumerate(model_chunks):
+            for name, module in unwrap(chunk).named_modules():
+                if not isinstance(module, (SelfAttention, MultiLatentAttention)):
+                    continue
+                full = f"chunk{i}.{name}"
+                core = module.core_attention
+                if not hasattr(core, "current_max_attn_logits"):
+                    raise ValueError(
+                        f"QK-Clip: {full} uses {type(core).__name__}, which records no per-head max "
+                        "logits. Build the model with megatron_muon.layer_specs.gpt_layer_spec (plain "
+                        "torch) or transformer-engine's attention."
+                    )
+                heads = module.num_attention_heads_per_partition
+                if isinstance(module, SelfAttention):
+                    norms = (getattr(module, "q_layernorm", None), getattr(module, "k_layernorm", None))
+                    if tconfig.qk_clip and any(n is not None and not isinstance(n, IdentityOp) for n in norms):
+                        raise ValueError(
+                            f"QK-Clip cannot bound the logits of {full}: qk_layernorm normalizes q and k "
+                            "after the projection, so scaling W_q / W_k does not change them. Disable "
+                            "qk_layernorm or qk_clip."
+                        )
+                    weights = [("qkv", module.linear_qkv.weight)]
+                    groups = module.num_query_groups_per_partition
+                    layers.append(ClipLayer(full, module, "gqa", weights, heads, groups))
+                else:
+                    q = getattr(module, "linear_q_up_proj", None) or module.linear_q_proj
+                    weights = [("q", q.weight), ("kv_up", module.linear_kv_up_proj.weight)]
+                    layers.append(ClipLayer(full, module, "mla", weights, heads, heads))
+        return cls(layers, tconfig, dp_cp_group, mp_group)
+
+    def gather_max_logits(self) -> Optional[torch.Tensor]:
+        """This step's per-head maxima of this rank's layers, MAX-reduced over DP x CP."""
+        if not self.layers:
+            return None
+        maxima = []
+        for layer in self.layers:
+            m = layer.recorder.current_max_attn_logits
+            if m is None:
+                raise RuntimeError(
+                    f"QK-Clip: {layer.name} recorded no max logits this step. Run the forward in "
+                    "training mode with TransformerConfig.qk_clip (or log_max_attention_logit) set."
+                )
+            maxima.append(m.detach().float().reshape(-1))
+        maxima = torch.cat(maxima)
+        if self.dp_cp_group is not None and self.dp_cp_group.size() > 1:
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=self.dp_cp_group)
+        return maxima
+
+    @torch.no_grad()
+    def apply(self, shard_of: ShardLookup) -> None:
+        """Gather the maxima, clip (if ``qk_clip``) on the master shards, reset recorders."""
+        maxima = self.gather_max_logits()
+        self.last_max_logits = maxima
+        local = float(maxima.max()) if maxima is not None else -math.inf
+        device = maxima.device if maxima is not None else self._device()
+        peak = torch.tensor([local], device=device)  # NCCL needs it on the GPU
+        if self.mp_group is not None and self.mp_group.size() > 1:
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.mp_group)
+        self.max_attention_logit = float(peak[0])
+        if self.clip and maxima is not None:
+            offset = 0
+            for layer in self.layers:
+                s = maxima[offset:offset + layer.heads]
+                offset += layer.heads
+                gamma = torch.clamp(self.tconfig.qk_clip_threshold / s, max=1.0)
+                if bool((gamma >= 1.0).all()):
+                    continue
+                for param, factors in row_factors(layer, gamma, self.tconfig):
+                    held = shard_of(param)
+                    if held is not None:
+                        shard, start, end = held
+                        scale_rows_(shard, start, end, param.shape[1], factors)
+        self.reset()
+
+    def _device(self) -> torch.device:
+        for layer in self.layers:
+            return layer.weights[0][1].device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.recorder.current_max_attn_logits = None
