@@ -1,0 +1,134 @@
+"""Recipes: YAML files of Megatron-LM flags (``num-layers: 2`` or ``num_layers: 2``).
+
+A recipe is turned into command-line tokens placed *before* the real command line, so
+every value goes through the same argparse types and checks as a flag would, and a flag
+given on the command line overrides the recipe (argparse keeps the last occurrence).
+
+Boolean keys follow the flag they name: ``swiglu: true`` adds ``--swiglu``,
+``disable-bias-linear: true`` adds ``--disable-bias-linear``, ``muon-nesterov: false``
+adds ``--no-muon-nesterov``. A key may also be an argument's destination name
+(``add_bias_linear: false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from .muon_args import BoolFlag
+
+
+class RecipeError(ValueError):
+    """A recipe is missing, malformed, or names an unknown flag."""
+
+
+def recipe_dirs() -> List[Path]:
+    """Where recipe names are looked up: ``$MEGATRON_MUON_RECIPES`` (``os.pathsep``-
+    separated), the repository's ``recipes/``, then ``<prefix>/share/megatron_muon/recipes``."""
+    dirs = [Path(p) for p in os.environ.get("MEGATRON_MUON_RECIPES", "").split(os.pathsep) if p]
+    dirs.append(Path(__file__).resolve().parents[2] / "recipes")  # a source checkout
+    dirs.append(Path(sys.prefix) / "share" / "megatron_muon" / "recipes")  # installed as data files
+    return dirs
+
+
+def available_recipes() -> List[str]:
+    names = set()
+    for d in recipe_dirs():
+        if d.is_dir():
+            names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe file from a path or a name (``tiny_gqa`` -> ``recipes/tiny_gqa.yaml``)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    for d in recipe_dirs():
+        for candidate in (d / name_or_path, d / f"{name_or_path}.yaml", d / f"{name_or_path}.yml"):
+            if candidate.is_file():
+                return candidate
+    raise RecipeError(
+        f"unknown recipe {name_or_path!r}: not a file, and not a name in {[str(d) for d in recipe_dirs()]}; "
+        f"available recipes: {', '.join(available_recipes()) or '(none)'}"
+    )
+
+
+def load_recipe(name_or_path: str) -> Dict[str, Any]:
+    """The recipe's mapping of flag names to values."""
+    path = find_recipe(name_or_path)
+    with open(path, encoding="utf-8") as f:
+        data = yaml.safe_load(f)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path} must be a mapping of flag names to values, got {type(data).__name__}")
+    return data
+
+
+def _actions(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
+    by_key: Dict[str, argparse.Action] = {}
+    for action in parser._actions:  # noqa: SLF001 - argparse offers no public listing
+        for opt in action.option_strings:
+            by_key[opt.lstrip("-")] = action
+    for action in parser._actions:  # noqa: SLF001
+        by_key.setdefault(action.dest.replace("_", "-"), action)
+    return by_key
+
+
+def _bool_tokens(key: str, action: argparse.Action, value: bool) -> List[str]:
+    flag = "--" + key
+    if isinstance(action, BoolFlag):
+        negative = flag in action.negatives
+        positive = next(o for o in action.option_strings if o not in action.negatives)
+        want = value != negative  # the value of the destination
+        return [positive] if want else [action.negatives[0]]
+    if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+        if flag not in action.option_strings:  # keyed by destination
+            return [action.option_strings[0]] if value else []
+        return [flag] if value else []
+    if isinstance(action, argparse._StoreFalseAction):  # noqa: SLF001
+        if flag not in action.option_strings:  # keyed by destination: value is the dest's value
+            return [] if value else [action.option_strings[0]]
+        return [flag] if value else []
+    raise RecipeError(f"recipe key {key!r} is a value flag; give it a value, not {value!r}")
+
+
+def recipe_to_argv(recipe: Dict[str, Any], parser: argparse.ArgumentParser) -> List[str]:
+    """Command-line tokens equivalent to ``recipe`` (raises ``RecipeError`` on unknown keys)."""
+    actions = _actions(parser)
+    argv: List[str] = []
+    for raw_key, value in recipe.items():
+        key = str(raw_key).strip().lstrip("-").replace("_", "-")
+        if key == "recipe":
+            raise RecipeError("a recipe cannot include another recipe")
+        action: Optional[argparse.Action] = actions.get(key)
+        if action is None or not action.option_strings:
+            raise RecipeError(f"recipe key {raw_key!r} is not a known flag (--{key})")
+        flag = "--" + key if "--" + key in action.option_strings else action.option_strings[0]
+        if action.nargs == 0:
+            if not isinstance(value, bool):
+                raise RecipeError(f"recipe key {raw_key!r} is a switch; use true or false, not {value!r}")
+            argv.extend(_bool_tokens(key, action, value))
+        elif value is None:
+            continue
+        elif action.nargs in ("*", "+"):
+            values = value if isinstance(value, (list, tuple)) else [value]
+            argv.append(flag)
+            argv.extend(_token(v) for v in values)
+        else:
+            if isinstance(value, (list, tuple, dict)):
+                raise RecipeError(f"recipe key {raw_key!r} takes one value, got {value!r}")
+            argv.extend([flag, _token(value)])
+    return argv
+
+
+def _token(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
