@@ -216,6 +216,7 @@ def grouped_rows(
     parts: Sequence[Tuple[str, int]],
     granularity: str,
     heads_in: Optional[Dict[str, int]] = None,
+    describe: str = "",
 ) -> List[LogicalMatrix]:
     """Logical matrices of a column-parallel weight whose rows are ``groups`` repeats of
     ``parts`` ((role, rows), in storage order), the groups split evenly over TP ranks.
@@ -228,7 +229,7 @@ def grouped_rows(
     rows, cols = ctx.param.shape
     if groups % ctx.tp_size or rows != groups // ctx.tp_size * group_rows or ctx.partition_dim not in (0, None):
         raise ctx.shape_error(
-            f"{groups} groups of parts {list(parts)}: expected "
+            f"{describe}{', ' if describe else ''}{groups} groups of parts {list(parts)}: expected "
             f"[{groups // max(ctx.tp_size, 1)} x {group_rows} rows, {cols}]"
         )
     local_groups = groups // ctx.tp_size
@@ -277,7 +278,12 @@ def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
     groups = mc.num_query_groups or heads
     heads_per_group = heads // groups
     return grouped_rows(
-        ctx, groups, _qkv_parts(mc), ctx.config.muon_qkv_split, {"q": heads_per_group, "q_gate": heads_per_group}
+        ctx,
+        groups,
+        _qkv_parts(mc),
+        ctx.config.muon_qkv_split,
+        {"q": heads_per_group, "q_gate": heads_per_group},
+        describe=f"num_query_groups={groups}, num_attention_heads={heads}, kv_channels={mc.kv_channels}",
     )
 
 

@@ -50,6 +50,10 @@ class TinyModelSpec:
     mla: bool = False
     """Multi-latent attention (set by kind='mla'; combine with kind='moe' for MoE + MLA)."""
     extra: Dict[str, Any] = field(default_factory=dict)
+    expert_layout: str = "sequential"
+    """How routed experts store their weights: 'sequential' (SequentialMLP), 'legacy_grouped'
+    (fused ``weight1``/``weight2``, ``experts.LegacyGroupedMLP``) or 'te_grouped'
+    (``linear_fc1.weight<i>``: TEGroupedMLP, or its stand-in without transformer-engine)."""
 
     def __post_init__(self) -> None:
         if self.kind == "mha":
@@ -61,6 +65,8 @@ class TinyModelSpec:
             self.mla = True
         if self.mla:
             self.num_query_groups = None
+        if self.expert_layout not in ("sequential", "legacy_grouped", "te_grouped"):
+            raise ValueError(f"unknown expert_layout {self.expert_layout!r}")
 
 
 def transformer_config(spec: TinyModelSpec):
@@ -142,6 +148,10 @@ def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module
         normalization="RMSNorm",
         use_te=False,
     )
+    if spec.num_moe_experts and spec.expert_layout != "sequential":
+        from .experts import with_experts_layout
+
+        layer_spec = with_experts_layout(layer_spec, spec.expert_layout)
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
     chunks = []
     for vp_stage in range(vpp):
