@@ -155,7 +155,7 @@ def run_distributed(
             ctx.Process(
                 target=_rank_main,
                 args=(rank, layout, port, outdir, fn, args, seed, timeout_s),
-                daemon=True,
+                daemon=False,  # ranks may start helper processes (dist-checkpoint writers)
             )
             for rank in range(world_size)
         ]
