@@ -151,6 +151,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             0,
         )
         self.muon_params = list(muon_params)
+        self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
         self.plan, self.pipeline = self._build_pipeline(tp_group)
         self._shards = self._muon_shards()
         optimizer.muon_step = self._muon_step
@@ -327,10 +328,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         raise NotImplementedError(
-            "Reshardable distributed checkpoints of the Muon optimizer are not implemented yet; "
-            "use optimizer.state_dict() for a same-layout resume. (Refusing instead of writing "
-            "Adam-shaped state for Muon parameters.)"
+            "Call sharded_state_dict() on the MuonChainedOptimizer that get_muon_optimizer "
+            "returned: the dense and expert optimizers are saved together, in model coordinates."
         )
+
+    def common_state(self) -> Dict[str, object]:
+        return {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
+
+    def load_common_state(self, common: Dict[str, object]) -> None:
+        if self.grad_scaler and common.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(common["grad_scaler"])
 
 
 class MuonChainedOptimizer(ChainedOptimizer):
@@ -345,6 +352,8 @@ class MuonChainedOptimizer(ChainedOptimizer):
     def __init__(self, chained_optimizers, events: Optional[List[Tuple[str, str, int]]] = None) -> None:
         super().__init__(chained_optimizers)
         self.events = events if events is not None else []
+        self.num_steps = 0
+        """Successful optimizer steps taken (saved in checkpoints)."""
 
     @property
     def trace(self) -> List[Tuple[str, str, int]]:
@@ -364,11 +373,63 @@ class MuonChainedOptimizer(ChainedOptimizer):
     @torch.no_grad()
     def step(self):
         try:
-            return super().step()
+            result = super().step()
         finally:
             # A skipped step (inf/nan) still starts the next one with fresh recorders.
             if self.qk_clip is not None:
                 self.qk_clip.reset()
+        if result[0]:
+            self.num_steps += 1
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Megatron dist-checkpointing state: every state tensor in model coordinates (see
+        ``megatron_muon.checkpoint``), reshardable across TP/PP/EP/DP and expert layouts."""
+        from .checkpoint import FORMAT, optimizer_sharded_state
+
+        param_state: Dict[str, object] = {}
+        for opt in self.muon_optimizers:
+            param_state.update(optimizer_sharded_state(opt, model_sharded_state_dict, is_loading))
+        cfg = self.config
+        return {
+            "format": FORMAT,
+            "step": self.num_steps,
+            "optimizers": {opt.name: opt.common_state() for opt in self.muon_optimizers},
+            "muon_config": {
+                k: (str(v) if isinstance(v, torch.dtype) else v)
+                for k, v in vars(cfg).items()
+                if (k.startswith("muon_") or k in ("lr", "min_lr", "weight_decay", "clip_grad", "bf16", "fp16"))
+                and not callable(v)
+            },
+            "param_state": param_state,
+        }
+
+    def load_sharded(self, state_dict) -> None:
+        """Load a state produced by ``sharded_state_dict`` (after dist_checkpointing.load)."""
+        from .checkpoint import load_optimizer_state
+
+        self.num_steps = int(state_dict["step"])
+        commons = state_dict["optimizers"]
+        for opt in self.muon_optimizers:
+            load_optimizer_state(opt, state_dict["param_state"], self.num_steps)
+            opt.load_common_state(commons.get(opt.name) or commons["dense"])
+
+    def state_dict(self):
+        """Per-rank state for a same-layout resume (see ``sharded_state_dict`` for resharding)."""
+        return {"chained": super().state_dict(), "num_steps": self.num_steps}
+
+    def load_state_dict(self, state_dict):
+        from .checkpoint import FORMAT
+
+        if isinstance(state_dict, dict) and "chained" in state_dict:
+            super().load_state_dict(state_dict["chained"])
+            self.num_steps = int(state_dict["num_steps"])
+            return
+        if isinstance(state_dict, dict) and state_dict.get("format") == FORMAT:
+            self.load_sharded(state_dict)  # the result of dist_checkpointing.load
+            return
+        super().load_state_dict(state_dict)
 
     def _step(self) -> bool:
         self.events.clear()

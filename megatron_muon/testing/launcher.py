@@ -12,6 +12,7 @@ hanging CI.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -68,6 +69,10 @@ def _rank_main(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     out = os.path.join(outdir, f"rank{rank}")
+    # If this rank hangs, write its Python stacks shortly before the parent gives up, so the
+    # TimeoutError says where each rank was waiting.
+    stacks = open(os.path.join(outdir, f"stacks{rank}"), "w")
+    faulthandler.dump_traceback_later(max(1.0, 0.9 * collective_timeout_s), file=stacks)
     try:
         from megatron_muon.testing.cpu import install_cpu_patches
 
@@ -112,6 +117,20 @@ def _rank_main(
             torch.distributed.destroy_process_group()
     except Exception:  # noqa: BLE001 - teardown errors are irrelevant to the result
         pass
+
+
+def _stacks(outdir: str, ranks: List[int]) -> str:
+    """The Python stacks the hung ranks dumped (their innermost frames), for the error."""
+    parts = []
+    for rank in ranks:
+        try:
+            with open(os.path.join(outdir, f"stacks{rank}")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text:
+            parts.append(f"--- rank {rank} was at:\n{text[-1500:]}")
+    return "\n".join(parts)
 
 
 def run_distributed(
@@ -189,7 +208,7 @@ def run_distributed(
                     missing = sorted(set(range(world_size)) - set(results))
                     raise TimeoutError(
                         f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
-                        "(a hung collective?)"
+                        f"(a hung collective?)\n{_stacks(outdir, missing)}"
                     )
                 time.sleep(0.05)
         finally:

@@ -224,6 +224,27 @@ def gather_canonical_state(chunks: List[torch.nn.Module]) -> Dict[str, List[Tupl
     return out
 
 
+def gather_canonical_optimizer_state(model: List[torch.nn.Module], optimizer) -> Dict[str, List[Tuple[Any, torch.Tensor]]]:
+    """This rank's pieces of every optimizer state tensor in model coordinates
+    (``optimizer.state.<state>.<param key>``), as ``gather_canonical_state`` does for
+    parameters; merge the ranks' results with ``merge_canonical_states``."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from ..checkpoint import _model_sharded_state_dict
+
+    model_sd = _model_sharded_state_dict(model)
+    out: Dict[str, List[Tuple[Any, torch.Tensor]]] = {}
+    for value in nested_values(optimizer.sharded_state_dict(model_sd)["param_state"]):
+        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
+        for st in built:
+            if isinstance(st, ShardedTensor):
+                out.setdefault(st.key, []).append(
+                    ((tuple(st.global_shape), st.global_slice()), st.data.detach().float().clone())
+                )
+    return out
+
+
 def merge_canonical_states(per_rank: List[Dict[str, list]]) -> Dict[str, torch.Tensor]:
     """Assemble full tensors from ``gather_canonical_state`` results of all ranks."""
     full: Dict[str, torch.Tensor] = {}

@@ -1,0 +1,268 @@
+"""Reshardable checkpoints of the Muon optimizer in Megatron ``dist_checkpointing`` (torch_dist).
+
+Every optimizer state tensor is saved in *model coordinates*: for each model parameter,
+the fp32 master weight (``param``), and either its Muon momentum (``momentum_buffer``) or
+its AdamW moments (``exp_avg``, ``exp_avg_sq``), each with the shape of the parameter and
+exactly the parameter's own sharding metadata (global key, global offsets, TP/PP/EP
+fragmentation, GLU and expert factories, replica ids). So whatever layouts Megatron can
+reshard the model between (TP, PP, EP, expert-TP, DP, the expert storage layouts), it
+reshards the optimizer state between too; logical matrices are subsets of parameters and
+follow. The key names are Megatron's ``fully_reshardable`` names
+(``optimizer.state.<state>.<param key>``), so a Megatron AdamW checkpoint differs from
+ours only in which state keys exist (``tools/convert_checkpoint.py`` converts).
+
+Saving: each rank all-gathers, over its data-parallel group, the distributed-optimizer
+shards of every bucket, so it holds its TP-local parameters' full state; Megatron then
+writes one copy (replica ids). Loading: each rank reads its TP-local parameters' state
+and keeps the byte range its DP shard owns; no dummy step is needed.
+
+``save_checkpoint`` / ``load_checkpoint`` write and read a whole training state (model,
+optimizer, extra objects) atomically: everything goes to a temporary directory that is
+renamed into place only after every rank finished writing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+FORMAT = "megatron_muon/1"
+MUON_KEYS = ("momentum_buffer",)
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used, with the reason and the fix."""
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer state <-> model-coordinate tensors
+# ---------------------------------------------------------------------------------------
+
+
+def _model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
+    """id(param) -> its ShardedTensor / ShardedTensorFactory in the model's state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for value in nested_values(model_sharded_state_dict):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.data is not None:
+            out[id(value.data)] = value
+    return out
+
+
+def _state_keys(opt, param) -> tuple:
+    return ("param",) + (MUON_KEYS if id(param) in opt.muon_param_ids else ADAM_KEYS)
+
+
+def _local_state(opt, param, key: str) -> Optional[torch.Tensor]:
+    """This rank's 1-D shard of one state of ``param`` (zeros if not yet allocated)."""
+    held = opt.shard_of(param)
+    if held is None:
+        return None
+    main, _, _ = held
+    if key == "param":
+        return main
+    state = opt.optimizer.state.get(main, {})
+    value = state.get(key)
+    return value if value is not None else torch.zeros_like(main, dtype=torch.float32)
+
+
+@torch.no_grad()
+def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+    """Every param of ``opt``'s buffers -> {state key: full TP-local tensor}, all-gathered
+    over the data-parallel group bucket by bucket (one collective per bucket and key)."""
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for gbuf_idx, buffer in enumerate(opt.buffers):
+        group = buffer.data_parallel_group
+        size = group.size()
+        (ranges,) = opt.gbuf_ranges[gbuf_idx].values()
+        for bucket_idx, bucket in enumerate(buffer.buckets):
+            numel = bucket.grad_data.numel()
+            param_map = ranges[bucket_idx]["param_map"]
+            keys = sorted({k for p in bucket.params_list for k in _state_keys(opt, p)})
+            for key in keys:
+                local = torch.zeros(numel // size, dtype=torch.float32, device=bucket.grad_data.device)
+                for param, rng in param_map.items():
+                    if key in _state_keys(opt, param):
+                        local[rng["gbuf_local"].start : rng["gbuf_local"].end] = _local_state(opt, param, key)
+                world = torch.empty(numel, dtype=torch.float32, device=local.device)
+                if size > 1:
+                    dist.all_gather_into_tensor(world, local, group=group)
+                else:
+                    world.copy_(local)
+                for param in bucket.params_list:
+                    if key not in _state_keys(opt, param):
+                        continue
+                    start, end, _ = buffer.param_index_map[param]
+                    full = world[start - bucket.offset : end - bucket.offset]
+                    out.setdefault(id(param), {})[key] = full.view(param.shape).clone()
+    return out
+
+
+def _params_in_order(opt):
+    """(python key, param) for every param of ``opt``'s buffers, in a fixed order.
+
+    The python keys only need to match between ``optimizer_sharded_state`` and
+    ``load_optimizer_state`` of the same process (the checkpoint itself is keyed by
+    ``ShardedTensor.key`` and offsets), so the buffer position is enough."""
+    i = 0
+    for buffer in opt.buffers:
+        for param in buffer.param_index_map:
+            yield f"{opt.name}.{i}", param
+            i += 1
+
+
+def optimizer_sharded_state(opt, model_sharded_state_dict, is_loading: bool) -> Dict[str, Dict[str, Any]]:
+    """``{python key: {state key: ShardedTensor(-Factory)}}`` for one MuonDistributedOptimizer."""
+    metadata = _model_param_metadata(model_sharded_state_dict)
+    full = {} if is_loading else gather_full_states(opt)
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, param in _params_in_order(opt):
+        sh = metadata.get(id(param))
+        if sh is None:
+            raise CheckpointError(
+                f"A parameter of shape {tuple(param.shape)} is missing from the model's "
+                "sharded_state_dict; build it with model.sharded_state_dict() (keep_vars) "
+                "from the same model chunks the optimizer was built for."
+            )
+        entry = {}
+        for key in _state_keys(opt, param):
+            data = (
+                torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                if is_loading
+                else full[id(param)][key]
+            )
+            kwargs = dict(key=f"optimizer.state.{key}.{sh.key}", data=data)
+            if hasattr(sh, "dtype"):
+                kwargs["dtype"] = torch.float32
+            entry[key] = replace(sh, **kwargs)
+        out[name] = entry
+    return out
+
+
+@torch.no_grad()
+def load_optimizer_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
+    """Put loaded model-coordinate tensors back into ``opt``'s shards and optimizer state."""
+    for name, param in _params_in_order(opt):
+        held = opt.shard_of(param)
+        if held is None:
+            continue
+        main, start, end = held
+        tensors = param_state[name]
+        state = opt.optimizer.state[main]
+        for key in _state_keys(opt, param):
+            flat = tensors[key].reshape(-1)[start:end].to(main.device)
+            if key == "param":
+                main.copy_(flat)
+            else:
+                state[key] = flat.clone()
+        state["step"] = torch.tensor(float(step))
+
+
+# ---------------------------------------------------------------------------------------
+# Whole training states, atomically
+# ---------------------------------------------------------------------------------------
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_checkpoint(
+    checkpoint_dir: str,
+    model: List[torch.nn.Module],
+    optimizer,
+    extra: Optional[Dict[str, Any]] = None,
+) -> None:
+    """Save model + optimizer (+ ``extra`` common objects) as a torch_dist checkpoint.
+
+    Written to ``<checkpoint_dir>.tmp`` first and renamed into place after all ranks
+    finished, so a failed or interrupted save leaves the previous checkpoint intact (the
+    failure propagates to the caller). Between the two renames of the swap the previous
+    checkpoint sits at ``<checkpoint_dir>.old``; ``load_checkpoint`` falls back to it.
+    Collective: call on every rank.
+    """
+    from megatron.core import dist_checkpointing
+
+    tmp = checkpoint_dir.rstrip("/") + ".tmp"
+    if _rank0():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd), "extra": extra or {}}
+    # A failure raises here (on the failing rank; the others fail in the next collective);
+    # nothing has touched checkpoint_dir yet.
+    dist_checkpointing.save(state, tmp)
+    _barrier()
+    if _rank0():
+        old = checkpoint_dir.rstrip("/") + ".old"
+        if os.path.exists(checkpoint_dir):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(checkpoint_dir, old)
+        os.rename(tmp, checkpoint_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+
+
+def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
+    """The model's own sharded state dict (of the modules under the DDP wrappers)."""
+    from .matrices import unwrap
+
+    return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def read_common(checkpoint_dir: str) -> Dict[str, Any]:
+    """The checkpoint's common (non-tensor) state, without loading any tensor."""
+    from megatron.core import dist_checkpointing
+
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir} is not a checkpoint directory")
+    try:
+        return dist_checkpointing.load_common_state_dict(checkpoint_dir)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}") from e
+
+
+def load_checkpoint(checkpoint_dir: str, model: List[torch.nn.Module], optimizer) -> Dict[str, Any]:
+    """Load what ``save_checkpoint`` wrote into ``model`` and ``optimizer`` (any parallel
+    layout, any expert layout Megatron's model state dict can reshard). Returns ``extra``."""
+    from megatron.core import dist_checkpointing
+
+    common = read_common(checkpoint_dir)
+    kind = common.get("optimizer", {}).get("format") if isinstance(common.get("optimizer"), dict) else None
+    if kind != FORMAT:
+        hint = (
+            "It was written by Megatron's own optimizer; convert it with "
+            "`python tools/convert_checkpoint.py adam-to-muon`."
+            if isinstance(common.get("optimizer"), dict) and "param_state_sharding_type" in common["optimizer"]
+            else "It was not written by megatron_muon."
+        )
+        raise CheckpointError(f"{checkpoint_dir} holds no Muon optimizer state (format {kind!r}). {hint}")
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True), "extra": {}}
+    try:
+        loaded = dist_checkpointing.load(state, checkpoint_dir)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(
+            f"loading {checkpoint_dir} failed: {e}. If shapes differ, the model config differs from "
+            "the one the checkpoint was saved with (compare with tools/convert_checkpoint.py inspect)."
+        ) from e
+    from .matrices import unwrap
+
+    for i, chunk in enumerate(model):
+        unwrap(chunk).load_state_dict(loaded["model"][f"model{i}"])
+    optimizer.load_sharded(loaded["optimizer"])
+    return common.get("extra", {})
