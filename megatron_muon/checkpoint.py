@@ -251,18 +251,31 @@ def load_checkpoint(checkpoint_dir: str, model: List[torch.nn.Module], optimizer
             else "It was not written by megatron_muon."
         )
         raise CheckpointError(f"{checkpoint_dir} holds no Muon optimizer state (format {kind!r}). {hint}")
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from .matrices import unwrap
+
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True), "extra": {}}
     try:
-        loaded = dist_checkpointing.load(state, checkpoint_dir)
+        loaded, missing, _ = dist_checkpointing.load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(
             f"loading {checkpoint_dir} failed: {e}. If shapes differ, the model config differs from "
             "the one the checkpoint was saved with (compare with tools/convert_checkpoint.py inspect)."
         ) from e
-    from .matrices import unwrap
-
+    # Layers of one expert layout keep an `_extra_state` another layout never wrote (it
+    # holds no weights); anything else missing means a different model or optimizer.
+    missing = sorted(k for k in missing if "_extra_state" not in k)
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint_dir} lacks {len(missing)} tensors this model and optimizer need, e.g. "
+            f"{missing[:3]}: the checkpoint was saved for a different model config or optimizer."
+        )
     for i, chunk in enumerate(model):
-        unwrap(chunk).load_state_dict(loaded["model"][f"model{i}"])
+        result = unwrap(chunk).load_state_dict(loaded["model"][f"model{i}"], strict=False)
+        unknown = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if "_extra_state" not in k]
+        if unknown:
+            raise CheckpointError(f"model chunk {i} does not match {checkpoint_dir}: {unknown[:3]}")
     optimizer.load_sharded(loaded["optimizer"])
     return common.get("extra", {})

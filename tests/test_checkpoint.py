@@ -36,10 +36,10 @@ def _save_then_continue(spec_kwargs, ckpt_dir):
     return dict(state=saved_state, final=M.gather_canonical_state(chunks))
 
 
-def _load_then_continue(spec_kwargs, ckpt_dir):
+def _load_then_continue(spec_kwargs, ckpt_dir, load_layout=None):
     from megatron_muon.checkpoint import load_checkpoint
 
-    spec = M.TinyModelSpec(**spec_kwargs)
+    spec = M.TinyModelSpec(**dict(spec_kwargs, **(load_layout or {})))
     batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
     chunks, model, opt, sched = build(spec)
     extra = load_checkpoint(ckpt_dir, model, opt)
@@ -55,15 +55,23 @@ CHANGES = [
     pytest.param(dict(kind="gqa"), (2, dict(pp=2)), (1, {}), id="PP2-to-PP1"),
     pytest.param(MOE, (2, dict(ep=2)), (1, {}), id="EP2-to-EP1"),
     pytest.param(dict(MOE, sequence_parallel=True), (4, dict(tp=2, ep=2, etp=2)), (4, dict(tp=2, ep=2, etp=1)), id="ETP2-to-ETP1"),
+    pytest.param(dict(MOE, expert_layout="legacy_grouped"), (2, dict(ep=2)), (2, dict(ep=2)), id="GroupedMLP-to-SequentialMLP"),
+    pytest.param(MOE, (2, dict(ep=2)), (1, {}), id="SequentialMLP-to-GroupedMLP"),
 ]
+# The model built at load time, where it differs from the saved one.
+LOAD_LAYOUT = {
+    "GroupedMLP-to-SequentialMLP": dict(expert_layout="sequential"),
+    "SequentialMLP-to-GroupedMLP": dict(expert_layout="legacy_grouped"),
+}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model,before,after", CHANGES)
-def test_layout_change_is_lossless(tmp_path, model, before, after):
+def test_layout_change_is_lossless(request, tmp_path, model, before, after):
     ckpt = str(tmp_path / "ckpt")
+    load_layout = LOAD_LAYOUT.get(request.node.callspec.id)
     saved = run_distributed(_save_then_continue, before[0], model, ckpt, timeout_s=400, **before[1])
-    loaded = run_distributed(_load_then_continue, after[0], model, ckpt, timeout_s=400, **after[1])
+    loaded = run_distributed(_load_then_continue, after[0], model, ckpt, load_layout, timeout_s=400, **after[1])
     state_before = M.merge_canonical_states([r["state"] for r in saved])
     state_after = M.merge_canonical_states([r["state"] for r in loaded])
     assert state_before.keys() == state_after.keys()
