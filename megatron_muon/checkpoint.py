@@ -30,8 +30,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.api
 
 FORMAT = "megatron_muon/1"
+# torch's distributed-checkpoint errors derive from BaseException, not Exception.
+_READ_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
 MUON_KEYS = ("momentum_buffer",)
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -185,8 +188,12 @@ def save_checkpoint(
     model: List[torch.nn.Module],
     optimizer,
     extra: Optional[Dict[str, Any]] = None,
+    per_rank: Any = None,
 ) -> None:
     """Save model + optimizer (+ ``extra`` common objects) as a torch_dist checkpoint.
+
+    ``per_rank``: an object each rank saves for itself (e.g. its RNG states), read back by
+    ``load_checkpoint(..., per_rank=True)`` only at the same world size.
 
     Written to ``<checkpoint_dir>.tmp`` first and renamed into place after all ranks
     finished, so a failed or interrupted save leaves the previous checkpoint intact (the
@@ -203,6 +210,9 @@ def save_checkpoint(
     _barrier()
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd), "extra": extra or {}}
+    state["world_size"] = dist.get_world_size()
+    if per_rank is not None:
+        state["per_rank"] = _per_rank_object(per_rank)
     # A failure raises here (on the failing rank; the others fail in the next collective);
     # nothing has touched checkpoint_dir yet.
     dist_checkpointing.save(state, tmp)
@@ -215,6 +225,12 @@ def save_checkpoint(
         os.rename(tmp, checkpoint_dir)
         shutil.rmtree(old, ignore_errors=True)
     _barrier()
+
+
+def _per_rank_object(value: Any):
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return ShardedObject("per_rank_state", value, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
 def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -232,18 +248,27 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
         raise CheckpointError(f"{checkpoint_dir} is not a checkpoint directory")
     try:
         return dist_checkpointing.load_common_state_dict(checkpoint_dir)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+    except _READ_ERRORS as e:  # any unreadable file is the same user error
         raise CheckpointError(f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}") from e
 
 
-def load_checkpoint(checkpoint_dir: str, model: List[torch.nn.Module], optimizer) -> Dict[str, Any]:
+def load_checkpoint(
+    checkpoint_dir: str,
+    model: List[torch.nn.Module],
+    optimizer,
+    load_optimizer: bool = True,
+    per_rank: bool = False,
+) -> Dict[str, Any]:
     """Load what ``save_checkpoint`` wrote into ``model`` and ``optimizer`` (any parallel
-    layout, any expert layout Megatron's model state dict can reshard). Returns ``extra``."""
+    layout, any expert layout Megatron's model state dict can reshard). Returns ``extra``,
+    plus ``extra["per_rank"]`` with ``per_rank=True`` when the checkpoint was saved by as
+    many ranks as load it (``None`` otherwise). ``load_optimizer=False`` loads the weights
+    only and resets the optimizer's fp32 masters from them."""
     from megatron.core import dist_checkpointing
 
     common = read_common(checkpoint_dir)
     kind = common.get("optimizer", {}).get("format") if isinstance(common.get("optimizer"), dict) else None
-    if kind != FORMAT:
+    if kind != FORMAT and load_optimizer:
         hint = (
             "It was written by Megatron's own optimizer; convert it with "
             "`python tools/convert_checkpoint.py adam-to-muon`."
@@ -256,26 +281,46 @@ def load_checkpoint(checkpoint_dir: str, model: List[torch.nn.Module], optimizer
     from .matrices import unwrap
 
     model_sd = _model_sharded_state_dict(model)
-    state = {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True), "extra": {}}
+    state: Dict[str, Any] = {"model": model_sd, "extra": {}}
+    if load_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+    same_world = common.get("world_size") == dist.get_world_size()
+    if per_rank and same_world:
+        state["per_rank"] = _per_rank_object(None)
     try:
-        loaded, missing, _ = dist_checkpointing.load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
-    except Exception as e:  # noqa: BLE001
+        # Megatron's names: "missing" = in the checkpoint, requested by no rank;
+        # "unexpected" = requested here, absent from the checkpoint.
+        loaded, unused, absent = dist_checkpointing.load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
+    except _READ_ERRORS as e:
         raise CheckpointError(
             f"loading {checkpoint_dir} failed: {e}. If shapes differ, the model config differs from "
             "the one the checkpoint was saved with (compare with tools/convert_checkpoint.py inspect)."
         ) from e
     # Layers of one expert layout keep an `_extra_state` another layout never wrote (it
-    # holds no weights); anything else missing means a different model or optimizer.
-    missing = sorted(k for k in missing if "_extra_state" not in k)
-    if missing:
+    # holds no weights); anything else absent or unused means a different model or optimizer.
+    absent = sorted(k for k in absent if "_extra_state" not in k)
+    if absent:
         raise CheckpointError(
-            f"{checkpoint_dir} lacks {len(missing)} tensors this model and optimizer need, e.g. "
-            f"{missing[:3]}: the checkpoint was saved for a different model config or optimizer."
+            f"{checkpoint_dir} lacks {len(absent)} tensors this model and optimizer need, e.g. "
+            f"{absent[:3]}: the checkpoint was saved for a different model config or optimizer."
+        )
+    skipped = ("_extra_state", "per_rank_state") + (() if load_optimizer else ("optimizer.",))
+    unused = sorted(k for k in unused if not any(s in k for s in skipped))
+    if unused:
+        raise CheckpointError(
+            f"{checkpoint_dir} holds {len(unused)} tensors this model and optimizer do not have, e.g. "
+            f"{unused[:3]}: the checkpoint was saved for a different model config or optimizer."
         )
     for i, chunk in enumerate(model):
         result = unwrap(chunk).load_state_dict(loaded["model"][f"model{i}"], strict=False)
         unknown = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if "_extra_state" not in k]
         if unknown:
             raise CheckpointError(f"model chunk {i} does not match {checkpoint_dir}: {unknown[:3]}")
-    optimizer.load_sharded(loaded["optimizer"])
-    return common.get("extra", {})
+    if load_optimizer:
+        optimizer.load_sharded(loaded["optimizer"])
+    else:
+        optimizer.reload_model_params()
+    extra = dict(common.get("extra", {}))
+    if per_rank:
+        extra["per_rank"] = loaded.get("per_rank") if same_world else None
+    return extra

@@ -333,7 +333,10 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         )
 
     def common_state(self) -> Dict[str, object]:
-        return {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None}
+        """Non-tensor state for checkpoints: grad scaler and the parameter groups'
+        settings (what Megatron's AdamW needs if the checkpoint is converted back)."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None, "param_groups": groups}
 
     def load_common_state(self, common: Dict[str, object]) -> None:
         if self.grad_scaler and common.get("grad_scaler") is not None:

@@ -3,7 +3,9 @@
 Megatron-core assumes a GPU in a handful of places (buffer placement via
 ``torch.cuda.current_device()``, CUDA streams and events, the tensor-parallel RNG
 tracker, literal ``device='cuda'`` and ``param.type() == 'torch.cuda.FloatTensor'``
-checks in the distributed optimizer). ``install_cpu_patches()`` replaces exactly those
+checks in the distributed optimizer), plus one Megatron bug that only shows without
+transformer-engine/Apex (torch AdamW's per-param ``step`` breaks loading a reshardable
+distributed-optimizer checkpoint). ``install_cpu_patches()`` replaces exactly those
 with CPU stand-ins, process-wide, so that a real ``GPTModel`` trains with TP/PP/EP/DP
 over gloo on a laptop. Nothing here is applied on import: call it explicitly (the
 multi-rank launcher does, in each spawned rank).
@@ -20,6 +22,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _INSTALLED: dict[str, Any] = {}
+_INSTALLED_ORIGINALS: dict[str, Any] = {}
 
 
 class _Stream:
@@ -103,6 +106,21 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors: dict) -> None:
+    """Megatron 0.19.2's reshardable optimizer loaders drop torch AdamW's per-param
+    ``step`` from the loaded tensors, then copy every state tensor, ``step`` included, and
+    fail with ``KeyError: 'step'``. Without transformer-engine or Apex (so on every CPU
+    run) Megatron's own optimizer could not load its checkpoints; keep the ``step`` its
+    ``load_state_dict`` already restored from the param groups."""
+    if "step" not in tensors:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state.get(main_param, {}).get("step")
+        if isinstance(step, torch.Tensor):
+            tensors = {**tensors, "step": step.clone()}
+    _INSTALLED_ORIGINALS["_set_main_param_and_optimizer_states"](self, model_param, tensors)
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     key = f"{id(obj)}.{name}"
     if key not in _INSTALLED:
@@ -143,6 +161,13 @@ def install_cpu_patches() -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         # Without transformer-engine this name is never bound, yet the router reads it.
         _patch(moe_utils, "te_general_gemm", None)
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _INSTALLED_ORIGINALS.setdefault(
+        "_set_main_param_and_optimizer_states", DistributedOptimizer._set_main_param_and_optimizer_states
+    )
+    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_states_keeping_step)
 
     mode = CudaToCpuMode()
     mode.__enter__()

@@ -1,0 +1,369 @@
+"""Checkpoint conversion: Megatron AdamW <-> Muon, expert layouts, and a readable summary.
+
+Works on whole torch_dist checkpoints in one process (no model is built): every tensor
+is read at its full global shape, transformed by key, and written back with Megatron's
+own ``dist_checkpointing.save``, so the result loads into any parallel layout. Writes go
+to a temporary directory renamed into place at the end.
+
+Key conventions (both Megatron's ``fully_reshardable`` distributed optimizer and ours):
+model tensors under their model key; optimizer state under
+``optimizer.state.<state>.<model key>`` with ``<state>`` in ``param`` (fp32 master),
+``exp_avg`` / ``exp_avg_sq`` (AdamW) and ``momentum_buffer`` (Muon).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+from .checkpoint import _READ_ERRORS, FORMAT, CheckpointError
+
+STATE_PREFIX = "optimizer.state."
+_SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
+
+
+@dataclass
+class Checkpoint:
+    """A whole torch_dist checkpoint in memory."""
+
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    objects: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any] = field(default_factory=dict)
+    """(key, global offset, global shape) -> object (e.g. layers' ``_extra_state``)."""
+    common: Dict[str, Any] = field(default_factory=dict)
+
+
+def _ensure_process_group() -> None:
+    """A one-rank gloo group (Megatron's checkpoint I/O is collective), on the CPU if no GPU."""
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        from .testing.cpu import install_cpu_patches
+
+        install_cpu_patches()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            from .testing.launcher import _free_port
+
+            os.environ["MASTER_PORT"] = str(_free_port())
+        dist.init_process_group("gloo", rank=0, world_size=1)
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Every tensor (full global shape), sharded object and the common state of ``path``."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _ensure_process_group()
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
+    request: Dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0)
+        elif key.startswith("common_state"):
+            continue
+        else:
+            m = _SHARD.match(key)
+            if m is None:
+                continue
+            offset = tuple(int(x) for x in m["offset"].split("."))
+            shape = tuple(int(x) for x in m["shape"].split("."))
+            request[key] = ShardedObject(m["key"], None, shape, offset, replica_id=0)
+    try:
+        loaded = dist_checkpointing.load(request, path)
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from e
+    ckpt = Checkpoint(common=dist_checkpointing.load_common_state_dict(path))
+    for key, req in request.items():
+        if isinstance(req, ShardedTensor):
+            ckpt.tensors[key] = loaded[key]
+        else:
+            ckpt.objects[(req.key, req.global_offset, req.global_shape)] = loaded[key]
+    return ckpt
+
+
+def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` as a torch_dist checkpoint at ``path`` (atomically)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    _ensure_process_group()
+    state: Dict[str, Any] = dict(ckpt.common)
+    sharded = {key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()}
+    objects = {
+        f"{key}/{offset}": ShardedObject(key, value, shape, offset, replica_id=0)
+        for (key, offset, shape), value in ckpt.objects.items()
+    }
+    state["__tensors__"] = sharded
+    state["__objects__"] = objects
+    tmp = path.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    dist_checkpointing.save(state, tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(tmp, path)
+
+
+def _state_key(state: str, model_key: str) -> str:
+    return f"{STATE_PREFIX}{state}.{model_key}"
+
+
+def model_keys(ckpt: Checkpoint) -> List[str]:
+    """Model tensor keys that have an fp32 master in the optimizer state."""
+    prefix = _state_key("param", "")
+    return sorted(k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix))
+
+
+_LINEAR = re.compile(r"(^|\.)(linear_\w+\.weight\d*|weight[12])$")
+
+
+def is_muon_key(key: str, exclude: Iterable[str] = (), router: bool = False) -> bool:
+    """Which model keys Muon optimizes, by name (no model at hand): weights of the linear
+    layers (``linear_*.weight``, grouped ``weight<i>``, legacy fused ``weight1/2``), the
+    router only if ``router``; never embeddings or the output layer. This mirrors
+    ``megatron_muon.matrices.is_muon_param`` for Megatron's GPT layer names."""
+    if any(fnmatch.fnmatch(key, p) for p in exclude):
+        return False
+    if key.endswith("router.weight"):
+        return router
+    return bool(_LINEAR.search(key)) and "embedding" not in key and not key.startswith("output_layer")
+
+
+def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[str] = (), router: bool = False) -> Dict[str, int]:
+    """Megatron DistributedOptimizer (AdamW, ``fully_reshardable``) -> Muon checkpoint.
+
+    Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
+    ``exp_avg`` with ``momentum='exp_avg'``) instead of their AdamW moments; the scalar
+    parameters keep their AdamW state."""
+    ckpt = read_checkpoint(src)
+    opt_common = ckpt.common.get("optimizer", {})
+    if opt_common.get("format") == FORMAT:
+        raise CheckpointError(f"{src} already holds Muon optimizer state.")
+    if opt_common.get("param_state_sharding_type") != "fully_reshardable":
+        raise CheckpointError(
+            f"{src}: expected a Megatron distributed-optimizer checkpoint saved with "
+            "metadata={'distrib_optim_sharding_type': 'fully_reshardable'} (Megatron-LM: "
+            f"--dist-ckpt-optim-fully-reshardable); found {opt_common.get('param_state_sharding_type')!r}."
+        )
+    groups = opt_common.get("optimizer", {}).get("param_groups", [])
+    step = int(max((g.get("step", 0) for g in groups), default=0))
+    converted = 0
+    for key in model_keys(ckpt):
+        if not is_muon_key(key, exclude, router):
+            continue
+        exp_avg = ckpt.tensors.pop(_state_key("exp_avg", key))
+        ckpt.tensors.pop(_state_key("exp_avg_sq", key))
+        ckpt.tensors[_state_key("momentum_buffer", key)] = exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
+        converted += 1
+    ckpt.common["optimizer"] = {
+        "format": FORMAT,
+        "step": step,
+        "optimizers": {"dense": {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}},
+        "muon_config": {},
+        "converted_from": "megatron_adam",
+    }
+    write_checkpoint(dst, ckpt)
+    return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step}
+
+
+def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9) -> Dict[str, int]:
+    """Muon checkpoint -> Megatron DistributedOptimizer (AdamW, ``fully_reshardable``).
+
+    ``exp_avg`` of former Muon matrices is zero, or ``(1 - beta1) * momentum`` with
+    ``exp_avg='momentum'`` (Muon's momentum is a plain sum, AdamW's an average);
+    ``exp_avg_sq`` is zero (printed as a warning: AdamW's first steps then take
+    sign-like updates of size lr)."""
+    ckpt = read_checkpoint(src)
+    opt_common = ckpt.common.get("optimizer", {})
+    if opt_common.get("format") != FORMAT:
+        raise CheckpointError(f"{src} holds no Muon optimizer state (format {opt_common.get('format')!r}).")
+    converted = 0
+    for key in model_keys(ckpt):
+        m = ckpt.tensors.pop(_state_key("momentum_buffer", key), None)
+        if m is None:
+            continue
+        ckpt.tensors[_state_key("exp_avg", key)] = (1 - beta1) * m if exp_avg == "momentum" else torch.zeros_like(m)
+        ckpt.tensors[_state_key("exp_avg_sq", key)] = torch.zeros_like(m)
+        converted += 1
+    print(
+        f"warning: exp_avg_sq of {converted} former Muon matrices is zero; AdamW's first updates "
+        "of those parameters will be about lr in size per element."
+    )
+    step = int(opt_common.get("step", 0))
+    groups = []
+    for common in opt_common.get("optimizers", {}).values():
+        for group in common.get("param_groups", []):
+            group = {k: v for k, v in group.items() if k not in ("params", "muon")}
+            group["step"] = float(step)
+            if group not in groups:
+                groups.append(group)
+    dense = opt_common.get("optimizers", {}).get("dense", {})
+    ckpt.common["optimizer"] = {
+        "optimizer": {"param_groups": groups},
+        "param_state_sharding_type": "fully_reshardable",
+    }
+    if dense.get("grad_scaler") is not None:
+        ckpt.common["optimizer"]["grad_scaler"] = dense["grad_scaler"]
+    write_checkpoint(dst, ckpt)
+    return {"converted": converted, "step": step}
+
+
+def inspect(path: str) -> str:
+    """A readable summary of a checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    _ensure_process_group()
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
+    common = dist_checkpointing.load_common_state_dict(path)
+    opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}
+    kind = "muon" if opt.get("format") == FORMAT else (
+        f"megatron {opt.get('param_state_sharding_type')}" if opt else "model only"
+    )
+    lines = [f"checkpoint: {path}", f"optimizer: {kind}"]
+    extra = common.get("extra", {})
+    for key in ("iteration", "layout", "args"):
+        if key in extra:
+            lines.append(f"{key}: {extra[key]}")
+    if opt.get("format") == FORMAT:
+        lines.append(f"optimizer steps: {opt.get('step')}")
+        cfg = opt.get("muon_config", {})
+        if cfg:
+            lines.append("muon settings: " + ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())))
+    tensors = {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    by_state: Dict[str, int] = {}
+    total = 0
+    for key, md in tensors.items():
+        numel = 1
+        for s in md.size:
+            numel *= s
+        total += numel * md.properties.dtype.itemsize
+        group = key.split(".")[2] if key.startswith(STATE_PREFIX) else "model"
+        by_state[group] = by_state.get(group, 0) + numel
+    lines.append(f"tensors: {len(tensors)}, {total / 2**20:.1f} MiB")
+    for group, numel in sorted(by_state.items()):
+        lines.append(f"  {group:16s} {numel:>14,d} elements")
+    model = [k for k in tensors if not k.startswith(STATE_PREFIX)]
+    for key in sorted(model)[:200]:
+        lines.append(f"  {key}  {tuple(tensors[key].size)}  {tensors[key].properties.dtype}")
+    return "\n".join(lines)
+
+
+_FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.weight(?P<which>[12])$")
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.local_experts\.(?P<e>\d+)\.linear_fc(?P<which>[12])\.weight$")
+
+
+def experts_state_dict(state: Dict[str, torch.Tensor], to: str, num_experts: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """Convert a (single-rank) torch state dict between the legacy fused ``GroupedMLP``
+    (``experts.weight1`` ``[hidden, E*ffn(*2)]``, ``experts.weight2`` ``[E*ffn, hidden]``,
+    read as per-expert ``view(E, hidden, -1)`` / ``view(E, -1, hidden)``) and per-expert
+    ``SequentialMLP`` names (``experts.local_experts.<e>.linear_fc1/2.weight``, nn.Linear
+    (out, in) orientation). GLU gate/up halves keep their order ([gate | up] columns of a
+    fused expert are [gate; up] rows of its fc1). Distributed (torch_dist) checkpoints
+    need no conversion: they store experts per expert, in model coordinates, already."""
+    out: Dict[str, torch.Tensor] = {}
+    if to == "sequential":
+        if num_experts is None:
+            raise CheckpointError("converting fused expert weights needs the number of local experts (--num-experts)")
+        for name, t in state.items():
+            m = _FUSED.match(name)
+            if m is None:
+                out[name] = t
+                continue
+            if m["which"] == "1":
+                view = t.reshape(num_experts, t.shape[0], -1)  # (E, hidden, ffn[*2]): (in, out)
+                fc = "linear_fc1"
+            else:
+                view = t.reshape(num_experts, -1, t.shape[1])  # (E, ffn, hidden): (in, out)
+                fc = "linear_fc2"
+            for e in range(num_experts):
+                out[f"{m['prefix']}.local_experts.{e}.{fc}.weight"] = view[e].t().contiguous()
+        return out
+    if to == "legacy_grouped":
+        groups: Dict[Tuple[str, str], Dict[int, torch.Tensor]] = {}
+        for name, t in state.items():
+            m = _PER_EXPERT.match(name)
+            if m is None:
+                out[name] = t
+                continue
+            groups.setdefault((m["prefix"], m["which"]), {})[int(m["e"])] = t
+        for (prefix, which), experts in groups.items():
+            views = torch.stack([experts[e].t() for e in sorted(experts)])  # (E, in, out)
+            if which == "1":
+                # Memory is expert-major: E blocks of (hidden, ffn) read back by view(E, hidden, -1).
+                out[f"{prefix}.weight1"] = views.contiguous().view(views.shape[1], -1)
+            else:
+                out[f"{prefix}.weight2"] = views.contiguous().view(-1, views.shape[2])
+        return out
+    raise ValueError(f"experts conversion target must be 'sequential' or 'legacy_grouped', not {to!r}")
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """Command line of ``tools/convert_checkpoint.py``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    a2m = sub.add_parser("adam-to-muon", help="Megatron AdamW distributed-optimizer checkpoint -> Muon")
+    a2m.add_argument("src")
+    a2m.add_argument("dst")
+    a2m.add_argument("--momentum", choices=("zeros", "exp_avg"), default="zeros")
+    a2m.add_argument("--muon-exclude-patterns", nargs="*", default=[])
+    a2m.add_argument("--muon-router", action="store_true", help="the router weight is a Muon matrix")
+    m2a = sub.add_parser("muon-to-adam", help="Muon checkpoint -> Megatron AdamW distributed optimizer")
+    m2a.add_argument("src")
+    m2a.add_argument("dst")
+    m2a.add_argument("--exp-avg", choices=("zeros", "momentum"), default="zeros")
+    m2a.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (scales momentum into exp_avg)")
+    exp = sub.add_parser("experts", help="legacy fused GroupedMLP <-> per-expert weights of a torch state dict")
+    exp.add_argument("src")
+    exp.add_argument("dst")
+    exp.add_argument("--to", choices=("sequential", "legacy_grouped"), required=True)
+    exp.add_argument("--num-experts", type=int, default=None, help="local experts per fused tensor")
+    ins = sub.add_parser("inspect", help="print what a checkpoint holds")
+    ins.add_argument("path")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "adam-to-muon":
+            print(adam_to_muon(args.src, args.dst, args.momentum, args.muon_exclude_patterns, args.muon_router))
+        elif args.command == "muon-to-adam":
+            print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1))
+        elif args.command == "experts":
+            if os.path.isdir(args.src):
+                raise CheckpointError(
+                    f"{args.src} is a distributed checkpoint: it stores experts per expert in model "
+                    "coordinates already and loads into any expert layout; nothing to convert."
+                )
+            state = torch.load(args.src, map_location="cpu", weights_only=False)
+            model = state.get("model", state) if isinstance(state, dict) else state
+            converted = experts_state_dict(model, args.to, args.num_experts)
+            if "model" in state:
+                state = dict(state, model=converted)
+            else:
+                state = converted
+            tmp = args.dst + ".tmp"
+            torch.save(state, tmp)
+            os.replace(tmp, args.dst)
+            print(f"wrote {args.dst}")
+        else:
+            print(inspect(args.path))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
