@@ -80,6 +80,8 @@ def single_rank(cache, tmp_path_factory):
         "--recipe", "tiny_gqa", "--train-iters", "30", "--data-cache-path", str(cache),
         "--save", str(out / "ckpt"), "--save-interval", "15", "--metrics-file", str(out / "full.jsonl"),
         "--eval-interval", "15", "--eval-iters", "2",
+        # Pads the vocabulary alike at TP1 and TP2 (test_reshard_on_resume_tp1_to_tp2).
+        "--make-vocab-size-divisible-by", "256",
     ])
     return dict(stdout=stdout, dir=out)
 
@@ -99,7 +101,7 @@ def test_resume_continues_bitwise(single_rank, cache):
     stdout = run(PRETRAIN + [
         "--recipe", "tiny_gqa", "--train-iters", "30", "--data-cache-path", str(cache),
         "--load", str(out / "ckpt"), "--ckpt-step", "15", "--metrics-file", str(out / "resumed.jsonl"),
-        "--eval-interval", "15", "--eval-iters", "2",
+        "--eval-interval", "15", "--eval-iters", "2", "--make-vocab-size-divisible-by", "256",
     ])
     assert "loaded checkpoint of iteration 15" in stdout
     assert sorted(losses(stdout)) == list(range(16, 31))
@@ -107,6 +109,39 @@ def test_resume_continues_bitwise(single_rank, cache):
     assert len(resumed) >= 16  # 15 iterations + validation at 30 (+ end of training)
     for key, row in resumed.items():
         assert full[key] == row, f"{key}: resumed {row} != uninterrupted {full[key]}"
+
+
+def test_reshard_on_resume_tp1_to_tp2(single_rank, cache):
+    """The default torch_dist checkpoint of the one-rank run resumes under torchrun with TP=2:
+    iterations 16..30 follow the uninterrupted run (to reduction-order noise)."""
+    out = single_rank["dir"]
+    assert (out / "ckpt" / "iter_0000015" / ".metadata").is_file()  # torch_dist by default with muon
+    stdout = run([
+        TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", "127.0.0.1:0", *PRETRAIN[1:],
+        "--recipe", "tiny_gqa", "--train-iters", "30", "--tensor-model-parallel-size", "2",
+        "--data-cache-path", str(cache), "--load", str(out / "ckpt"), "--ckpt-step", "15",
+        "--metrics-file", str(out / "tp2.jsonl"), "--eval-interval", "15", "--eval-iters", "2",
+        "--make-vocab-size-divisible-by", "256",
+    ], timeout=200)
+    assert "resharded from" in stdout and "loaded checkpoint of iteration 15" in stdout
+    full, tp2 = metrics(out / "full.jsonl"), metrics(out / "tp2.jsonl")
+    steps = [k for k in tp2 if k[1] is None and k[0] > 15]
+    assert len(steps) == 15
+    for key in steps:
+        assert abs(tp2[key]["lm loss"] - full[key]["lm loss"]) < 2e-2, (key, tp2[key], full[key])
+
+
+def test_torch_format_resume_bitwise(cache, tmp_path):
+    """--ckpt-format torch: per-rank files, same-layout resume, bit for bit."""
+    common = PRETRAIN + ["--recipe", "tiny_gqa", "--train-iters", "6", "--data-cache-path", str(cache),
+                         "--ckpt-format", "torch", "--eval-iters", "0"]
+    run(common + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--metrics-file", str(tmp_path / "full.jsonl")])
+    assert (tmp_path / "ckpt" / "iter_0000003" / "rank_00000.pt").is_file()
+    stdout = run(common + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3", "--metrics-file", str(tmp_path / "resumed.jsonl")])
+    assert "loaded checkpoint of iteration 3" in stdout
+    full, resumed = metrics(tmp_path / "full.jsonl"), metrics(tmp_path / "resumed.jsonl")
+    assert [k for k in resumed if k[0] > 3] and all(full[k] == row for k, row in resumed.items())
 
 
 def test_interrupted_save_leaves_previous_checkpoint(tmp_path):

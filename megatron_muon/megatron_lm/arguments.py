@@ -186,8 +186,9 @@ def _io_args(parser: argparse.ArgumentParser) -> None:
     a("--load", default=None)
     a("--save-interval", type=int, default=None)
     a("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
-    a("--ckpt-format", default="torch", choices=["torch", "torch_dist"],
-      help="torch: same-layout per-rank files (torch_dist, reshardable, is not implemented yet)")
+    a("--ckpt-format", default=None, choices=["torch", "torch_dist"],
+      help="torch_dist (default with --optimizer muon): reshardable, loads into any parallel layout; "
+           "torch (default otherwise): per-rank files, same-layout resume. Loading detects the format.")
     a("--no-save-optim", action="store_true")
     a("--no-load-optim", action="store_true")
     a("--no-load-rng", action="store_true")
@@ -336,10 +337,15 @@ def derive_and_validate(args: argparse.Namespace, world_size: int) -> None:
         args.end_weight_decay = args.weight_decay
     if args.data_path and args.mock_data:
         raise ValueError("--mock-data and --data-path are mutually exclusive")
-    if args.ckpt_format != "torch":
+    if args.ckpt_format is None:
+        args.ckpt_format = "torch_dist" if args.optimizer == "muon" else "torch"
+    if args.ckpt_format == "torch_dist" and args.no_save_optim:
+        raise ValueError("--no-save-optim: torch_dist checkpoints always hold the optimizer state; "
+                         "use --ckpt-format torch for weights-only saves")
+    if args.ckpt_format == "torch_dist" and args.optimizer != "muon":
         raise ValueError(
-            f"--ckpt-format {args.ckpt_format}: reshardable distributed checkpoints are not implemented "
-            "in megatron_muon yet; use --ckpt-format torch (per-rank files, same-layout resume)"
+            f"--ckpt-format torch_dist saves Muon's reshardable optimizer state; with --optimizer "
+            f"{args.optimizer} use --ckpt-format torch (per-rank files, same-layout resume)"
         )
     if args.tokenizer_type == "NullTokenizer" and args.vocab_size is None:
         raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")

@@ -1,17 +1,21 @@
-"""Same-layout checkpoints: one file per rank, written atomically.
+"""The driver's checkpoints, in Megatron-LM's directory layout, written atomically.
 
-Layout (Megatron-LM-like)::
+Two formats (``--ckpt-format``), one directory layout::
 
     SAVE/latest_checkpointed_iteration.txt      the iteration to resume from
-    SAVE/iter_0000100/rank_00000.pt ...         model chunks, optimizer, scheduler, RNG
-    SAVE/iter_0000100/metadata.json             layout, iteration, arguments
+    SAVE/iter_0000100/...                       one checkpoint
+
+* ``torch`` (default): ``iter_XXXXXXX/rank_00000.pt ...`` (model chunks, optimizer,
+  scheduler, RNG per rank) and ``metadata.json``; resumes at the same parallel layout.
+* ``torch_dist`` (Muon only): ``megatron_muon.checkpoint``'s reshardable checkpoint (model
+  and optimizer state in model coordinates, scheduler and arguments in its common state,
+  RNG states per rank); loads into any TP / PP / EP / DP layout. The RNG states come back
+  only at the same world size.
 
 A save writes everything into ``iter_XXXXXXX.tmp`` first; only when every rank has
-written its file does rank 0 rename the directory into place and then (atomically, via
+written does rank 0 rename the directory into place and then (atomically, via
 ``os.replace``) point the tracker file at it. A crash at any point leaves the previous
-checkpoint and tracker intact. Resuming requires the same parallel layout: the Muon
-optimizer's ``state_dict()`` is per rank (reshardable distributed checkpoints are a
-separate, later module; everything checkpoint-specific lives here so it can be swapped).
+checkpoint and tracker intact. Loading detects the format from the directory.
 """
 
 from __future__ import annotations
@@ -176,8 +180,67 @@ def _plain_args(args: argparse.Namespace) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
+def is_distributed_checkpoint(directory: Path) -> bool:
+    """A torch_dist checkpoint (torch.distributed.checkpoint writes ``.metadata``)."""
+    return (Path(directory) / ".metadata").is_file()
+
+
+def _save_distributed(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
+    from megatron_muon import checkpoint as dist_ckpt
+
+    root = Path(args.save)
+    if torch.distributed.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    extra = {"iteration": iteration, "consumed_samples": consumed_samples, "layout": layout(args),
+             "args": _plain_args(args), "scheduler": scheduler.state_dict()}
+    # save_checkpoint writes iter_XXXXXXX.tmp and renames it into place when all ranks are done.
+    dist_ckpt.save_checkpoint(str(iteration_dir(root, iteration)), model, optimizer, extra=extra, per_rank=rng_state())
+    if torch.distributed.get_rank() == 0:
+        _atomic_write_text(root / TRACKER, f"{iteration}\n")
+    torch.distributed.barrier()
+
+
+def _load_distributed(args, directory: Path, model, optimizer, scheduler) -> Tuple[int, int]:
+    from megatron_muon import checkpoint as dist_ckpt
+
+    weights_only = args.finetune or args.no_load_optim
+    try:
+        extra = dist_ckpt.load_checkpoint(str(directory), model, optimizer, load_optimizer=not weights_only,
+                                          per_rank=not args.no_load_rng)
+    except dist_ckpt.CheckpointError as e:
+        raise CheckpointError(str(e)) from e
+    if args.finetune:
+        print_rank_0(f"  loaded weights of iteration {extra['iteration']} from {directory} (--finetune: starting at 0)")
+        return 0, 0
+    if not weights_only:
+        scheduler.load_state_dict(extra["scheduler"])
+    if not args.no_load_rng:
+        if extra.get("per_rank") is not None:
+            set_rng_state(extra["per_rank"])
+        else:
+            print_rank_0("  (RNG states not restored: the checkpoint was saved by a different number of ranks)")
+    if extra["layout"] != layout(args):
+        print_rank_0(f"  resharded from {extra['layout']}")
+    saved_vocab = extra.get("args", {}).get("padded_vocab_size")
+    if saved_vocab is not None and saved_vocab != getattr(args, "padded_vocab_size", saved_vocab):
+        # Megatron loads the overlap of the embedding and output layer; the other rows keep
+        # their fresh initialisation and the padded logits enter the softmax.
+        print_rank_0(
+            f"WARNING: padded vocab size {args.padded_vocab_size} differs from the checkpoint's {saved_vocab} "
+            "(it is padded to a multiple of --make-vocab-size-divisible-by x TP); rows past the smaller size are "
+            "freshly initialised. Choose --make-vocab-size-divisible-by so both layouts pad alike."
+        )
+    torch.distributed.barrier()
+    print_rank_0(f"  loaded checkpoint of iteration {extra['iteration']} from {directory.parent}")
+    return extra["iteration"], extra["consumed_samples"]
+
+
 def save_checkpoint(args, iteration: int, consumed_samples: int, model, optimizer, scheduler) -> None:
-    """Collective: every rank writes its file, rank 0 publishes the directory."""
+    """Collective: every rank writes its part, rank 0 publishes the directory."""
+    if args.ckpt_format == "torch_dist":
+        _save_distributed(args, iteration, consumed_samples, model, optimizer, scheduler)
+        print_rank_0(f"  saved checkpoint at iteration {iteration:7d} to {args.save} (torch_dist)")
+        return
     rank = torch.distributed.get_rank()
     root = Path(args.save)
     final, tmp = iteration_dir(root, iteration), root / f"{iteration_dir(root, iteration).name}.tmp"
@@ -214,6 +277,8 @@ def load_checkpoint(args, model, optimizer, scheduler) -> Tuple[int, int]:
     if iteration is None:
         print_rank_0(f"WARNING: no checkpoint found at {root} ({TRACKER} missing); training from scratch.")
         return 0, 0
+    if is_distributed_checkpoint(iteration_dir(root, iteration)):
+        return _load_distributed(args, iteration_dir(root, iteration), model, optimizer, scheduler)
     rank = torch.distributed.get_rank()
     path = rank_file(iteration_dir(root, iteration), rank)
     if not path.is_file():

@@ -52,6 +52,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max(tokenizer.vocab_size, args.vocab_size or 0), args.make_vocab_size_divisible_by,
             args.tensor_model_parallel_size,
         )
+        args.padded_vocab_size = vocab_size  # as Megatron-LM; checkpoints record it
         config = model_lib.transformer_config(args)
         model = model_lib.build_model(args, config, vocab_size)
         optimizer = optim.build_optimizer(args, model)
