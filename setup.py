@@ -26,7 +26,9 @@ setup(
     },
     data_files=[("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml")))],
     extras_require={
-        "test": ["pytest", "pytest-timeout"],
+        # matplotlib: the suite also renders the benchmark plots (tools/bench/plots.py).
+        "test": ["pytest", "pytest-timeout", "matplotlib"],
+        "bench": ["matplotlib", "emerging-optimizers==0.3.0"],
         # Megatron-core's own Muon (used only by comparison tests and benchmarks).
         "peer": ["emerging-optimizers==0.3.0"],
     },

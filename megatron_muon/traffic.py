@@ -8,7 +8,8 @@ aliases, patched here too).
 
 Bytes are what one rank puts on the wire under the usual ring algorithms: all-reduce
 ``2 (n-1)/n * size``, reduce-scatter ``(n-1)/n * input``, all-gather ``(n-1)/n * output``,
-all-to-all the input minus the part addressed to itself, broadcast ``size`` on the root.
+all-to-all the input minus the part addressed to itself (tensor and list forms alike),
+broadcast ``size`` on the root.
 Collectives on single-rank groups count zero.
 """
 
@@ -45,6 +46,18 @@ def _all_gather(output, input, *a, group=None, **k) -> int:
     return (n - 1) * _nbytes(output) // n
 
 
+def _all_gather_list(tensor_list, tensor, *a, group=None, **k) -> int:
+    n = _group_size(group if group is not None else (a[0] if a else None))
+    return (n - 1) * _nbytes(tensor)
+
+
+def _all_to_all_list(output_list, input_list, *a, group=None, **k) -> int:
+    if _group_size(group if group is not None else (a[0] if a else None)) == 1:
+        return 0
+    me = dist.get_rank(group if group is not None else (a[0] if a else None))
+    return sum(_nbytes(t) for i, t in enumerate(input_list) if i != me)
+
+
 def _all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, **k) -> int:
     n = _group_size(group)
     if n == 1:
@@ -68,7 +81,9 @@ _COUNTERS: Dict[str, Callable[..., int]] = {
     "_reduce_scatter_base": _reduce_scatter,
     "all_gather_into_tensor": _all_gather,
     "_all_gather_base": _all_gather,
+    "all_gather": _all_gather_list,
     "all_to_all_single": _all_to_all_single,
+    "all_to_all": _all_to_all_list,
     "broadcast": _broadcast,
 }
 _KIND = {
@@ -76,6 +91,7 @@ _KIND = {
     "_reduce_scatter_base": "reduce_scatter",
     "all_gather_into_tensor": "all_gather",
     "_all_gather_base": "all_gather",
+    "all_to_all_single": "all_to_all",
 }
 
 

@@ -1,0 +1,122 @@
+"""Smoke tests of tools/bench at their smallest sizes (CPU, gloo): every script runs and
+writes its JSON and markdown, the measured ratios are positive numbers, and the scale
+model's bytes for the tiny model agree with the bytes counted in the measured run.
+
+No timing is asserted anywhere: benchmarks report ratios, they do not gate tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tools.bench import config_reference, newton_schulz, optimizer_step, overlap_trace, plots, run_all, scale_model
+
+PEERS = "megatron_adamw,megatron_muon_duplicated,ours_exact,ours_blockwise"
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench")
+
+
+@pytest.fixture(scope="module")
+def measured(out) -> dict:
+    """One optimizer_step.py run: 4 gloo ranks (DP2 x TP2), 4 peers, 1 timed step."""
+    optimizer_step.main(["--device", "cpu", "--peers", PEERS, "--steps", "1", "--warmup", "1", "--out", str(out)])
+    return json.loads((out / "optimizer_step.json").read_text())
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.timeout(300)
+def test_optimizer_step_outputs(out, measured):
+    assert (out / "optimizer_step.md").read_text().count("|") > 20
+    assert set(measured["peers"]) == set(PEERS.split(","))
+    assert measured["layout"] == {"world": 4, "tp": 2, "dp": 2}
+    for name, row in measured["peers"].items():
+        assert _positive(row["step_ms"]) and _positive(row["ratio"]) and _positive(row["memory_max"]), name
+        assert _positive(sum(row["step_bytes"]["per_rank_mean"].values())), name
+    assert measured["peers"]["megatron_adamw"]["ratio"] == 1.0
+    # Muon keeps one fp32 momentum per matrix element where AdamW keeps two moments.
+    assert measured["peers"]["ours_exact"]["memory_max"] < measured["peers"]["megatron_adamw"]["memory_max"]
+    errors = measured["errors"]
+    assert set(errors) == {"megatron_muon_duplicated", "ours_exact", "ours_blockwise"}
+    for name, e in errors.items():
+        assert all(_positive(e[k]) for k in ("vs_polar_mean", "vs_polar_max", "vs_ns_mean", "vs_ns_max")), name
+    # Exact methods match full-matrix Newton–Schulz up to bf16 rounding; blockwise does not.
+    assert errors["ours_exact"]["vs_ns_max"] < 0.15 and errors["megatron_muon_duplicated"]["vs_ns_max"] < 0.15
+    assert errors["ours_blockwise"]["vs_ns_mean"] > 5 * errors["ours_exact"]["vs_ns_mean"]
+
+
+@pytest.mark.timeout(300)
+def test_scale_model_bytes_match_the_counted_bytes(out, measured):
+    """The scale model of the tiny model, per collective kind, within TOLERANCE (1 %) of
+    what count_collectives counted (it leaves out only the grad-norm all-reduces)."""
+    check = scale_model.validate(measured)
+    schemes = {r["scheme"] for r in check["rows"]}
+    assert schemes == {"adamw", "megatron_duplicated", "ours_exact", "ours_blockwise"}
+    assert check["ok"], [r for r in check["rows"] if r["checked"] and r["rel_err"] > scale_model.TOLERANCE]
+    kinds = {(r["scheme"], r["what"]) for r in check["rows"] if r["checked"]}
+    assert ("ours_exact", "step() all_to_all") in kinds
+    assert ("megatron_duplicated", "step() all_gather") in kinds
+    # The command line, on one real-size scenario, with the same validation.
+    data = scale_model.main(["--scenario", "llama3_8b", "--validate", str(out / "optimizer_step.json"),
+                             "--out", str(out)])
+    rows = data["predictions"]["llama3_8b"]["schemes"]
+    assert all(_positive(r["ratio"]) for r in rows.values())
+    # Duplicated runs every TP-sharded matrix whole on each TP rank: more FLOPs than blockwise.
+    assert rows["megatron_duplicated"]["ns_flops_total"] > 1.5 * rows["megatron_blockwise"]["ns_flops_total"]
+    assert data["validation"]["ok"] and (out / "scale_model.md").exists()
+
+
+@pytest.mark.timeout(120)
+def test_newton_schulz_quick(out):
+    data = newton_schulz.main(["--quick", "--device", "cpu", "--out", str(out)])
+    assert (out / "newton_schulz.md").exists()
+    timed = [r for r in data["rows"] if r["ms"] is not None]
+    assert {r["impl"] for r in timed} >= {"megatron_muon", "torch.optim.Muon", "emerging_optimizers"}
+    for r in timed:
+        assert _positive(r["tflops"]) and _positive(r["speedup_of_ours"]) and _positive(r["peak_fraction"]), r
+        assert r["rel_err"] < 0.05, r  # every implementation computes the same iteration
+
+
+@pytest.mark.timeout(200)
+def test_overlap_trace(out):
+    data = overlap_trace.main(["--device", "cpu", "--hidden", "64", "--out", str(out)])
+    assert (out / "overlap_trace.md").exists()
+    if plots.have_matplotlib():
+        assert (out / "overlap_trace.png").stat().st_size > 1000
+    for rank in data["ranks"]:
+        # Order, not time: the expert step runs inside the dense pipeline's first gather
+        # window with the overlap on, and after it without.
+        assert rank["evidence"]["overlap"]["expert_ns_inside_gather0_window"]
+        assert not rank["evidence"]["sequential"]["expert_ns_inside_gather0_window"]
+
+
+@pytest.mark.timeout(120)
+def test_plots_and_docs_regeneration(out, measured, tmp_path):
+    pytest.importorskip("matplotlib")
+    written = plots.make_all(out)
+    assert {p.name for p in written} >= {"optimizer_step_time.png", "optimizer_step_bytes.png", "optimizer_step_error.png"}
+    assert all(p.stat().st_size > 1000 for p in written)
+    docs = tmp_path / "benchmarks.md"
+    shutil.copy(run_all.DOCS, docs)
+    run_all.main(["--docs-only", "--out", str(out), "--docs", str(docs)])
+    text = docs.read_text()
+    block = text.split("<!-- BEGIN generated: optimizer_step -->", 1)[1].split("<!-- END generated: optimizer_step -->")[0]
+    assert "Megatron DistOpt + AdamW" in block and "optimizer_step_time.png" in block
+
+
+def test_config_reference_lists_every_field():
+    from megatron_muon.config import MuonConfig
+
+    table = config_reference.table()
+    for name in MuonConfig.__dict__["__annotations__"]:
+        assert f"`{name}`" in table, name

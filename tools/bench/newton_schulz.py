@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""Newton–Schulz throughput: our kernel against the other implementations, in TFLOP/s.
+
+Implementations (5 steps of Keller Jordan's quintic (3.4445, -4.7750, 2.0315) in bf16 in
+all of them, fp32 input as the optimizers hand it over, output back in the input dtype):
+
+* ``megatron_muon``: ``megatron_muon.newton_schulz.newton_schulz`` (stacks batched);
+  ``megatron_muon compiled``: the same with ``compiled=True`` (GPU runs only, or
+  ``--compile``);
+* ``torch.optim.Muon``: torch's own iteration, ``torch.optim._muon._zeropower_via_newtonschulz``
+  (the internal function ``torch.optim.Muon.step`` calls for every parameter; 2-D only,
+  so a stack is looped);
+* ``emerging_optimizers``: ``emerging_optimizers.orthogonalized_optimizers.muon_utils.newton_schulz``
+  with ``coefficient_type="simple"`` under ``torch.set_float32_matmul_precision("medium")``
+  (how Megatron-core's Muon runs it: bf16 compute), stacks batched.
+
+Each call is timed from the fp32 input to the result (cast, normalisation, iterations,
+cast back), after warm-up, with the device synchronised; the implementations take turns
+call by call, so load from other processes does not favour one of them. Rates come from the
+median call on a GPU and from the fastest call on a CPU (``--stat``), where other processes
+otherwise decide the numbers. FLOPs are
+``newton_schulz_flops`` (the three matmuls per step). The fraction of peak uses the
+device's dense bf16 peak (H100 SXM / H200: 989 TFLOP/s); on the CPU it uses the bf16
+matmul rate measured on this machine (a square GEMM, one thread like the rest of the CPU
+run), labelled as measured.
+
+Shapes: real model matrices (Llama-3 8B's 4096x4096 and 4096x14336, a stack of 64
+DeepSeek-V3-style experts 2048x7168) on a GPU; ``--quick`` (the CPU default) divides every
+side by 16 and the expert count by 8, since the real shapes take minutes per call on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench import common
+
+# (label, batch, rows, cols)
+FULL_SHAPES = [("4096x4096", 1, 4096, 4096), ("4096x14336", 1, 4096, 14336), ("64 x 2048x7168 (experts)", 64, 2048, 7168)]
+QUICK_SHAPES = [("256x256", 1, 256, 256), ("256x896", 1, 256, 896), ("8 x 128x448 (experts)", 8, 128, 448)]
+
+# Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, by torch.cuda.get_device_name().
+PEAKS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4), ("A100", 312.0)]
+STEPS = 5
+KJ = (3.4445, -4.7750, 2.0315)
+
+
+def gpu_peak_tflops(name: str) -> Optional[float]:
+    for key, peak in PEAKS:
+        if key in name:
+            return peak
+    return None
+
+
+def measured_matmul_tflops(device: str, size: int, reps: int = 5) -> float:
+    """Best bf16 GEMM rate of this device over ``reps`` calls (the peak's stand-in on a CPU)."""
+    import torch
+
+    a = torch.randn(size, size, device=device).bfloat16()
+    b = torch.randn(size, size, device=device).bfloat16()
+    a @ b
+    times = []
+    for _ in range(reps):
+        common.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        common.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * size**3 / min(times) / 1e12
+
+
+@contextlib.contextmanager
+def _matmul_precision(value: str):
+    import torch
+
+    old = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(old)
+
+
+def implementations(device: str, compile_ours: bool) -> Dict[str, Tuple[Optional[Callable], str]]:
+    """name -> (function of the fp32 input, note); function None when unavailable."""
+    import torch
+
+    from megatron_muon.newton_schulz import newton_schulz
+
+    impls: Dict[str, Tuple[Optional[Callable], str]] = {
+        "megatron_muon": (lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16), "batched"),
+    }
+    if compile_ours:
+        impls["megatron_muon compiled"] = (
+            lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, compiled=True), "batched, torch.compile")
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+
+        def torch_muon(g):
+            if g.ndim == 2:
+                return _zeropower_via_newtonschulz(g, KJ, STEPS, 1e-7)
+            return torch.stack([_zeropower_via_newtonschulz(m, KJ, STEPS, 1e-7) for m in g])
+
+        impls["torch.optim.Muon"] = (torch_muon, "2-D only: stacks looped")
+    except ImportError as exc:
+        impls["torch.optim.Muon"] = (None, f"not available: {exc}")
+    try:
+        from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz as eo_ns
+
+        def emerging(g):
+            with _matmul_precision("medium"):
+                return eo_ns(g, STEPS, "simple")
+
+        impls["emerging_optimizers"] = (emerging, "batched, bf16 via matmul precision 'medium'")
+    except ImportError as exc:
+        impls["emerging_optimizers"] = (None, f"not available: {exc}")
+    return impls
+
+
+def time_interleaved(fns: Dict[str, Callable], x, device: str, warmup: int, reps: int) -> Dict[str, List[float]]:
+    """Seconds of every call of each function; the functions take turns, so a burst of
+    load from other processes hits all of them rather than one."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn(x)
+    times: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            common.synchronize(device)
+            t0 = time.perf_counter()
+            fn(x)
+            common.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    import torch
+
+    from megatron_muon.newton_schulz import newton_schulz, newton_schulz_flops
+
+    device = common.pick_device(args.device)
+    if device == "cpu":
+        # One thread: OpenMP's spinning barriers make multi-threaded GEMMs erratic (10-100x)
+        # as soon as another process wants the same cores.
+        torch.set_num_threads(args.threads)
+    quick = args.quick or (device == "cpu" and not args.full)
+    shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    warmup, reps = (2, 9) if quick else (3, 10)
+    if device == "cpu":
+        peak = measured_matmul_tflops(device, 1024 if quick else 2048)
+        peak_note = f"measured bf16 GEMM rate of this CPU, {args.threads} thread(s)"
+    else:
+        peak = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name())
+        peak_note = "dense bf16 peak of " + torch.cuda.get_device_name() if peak else "unknown device: pass --peak-tflops"
+    impls = implementations(device, args.compile if args.compile is not None else device == "cuda")
+    # A shared CPU's other processes slow random calls down; the fastest call is the
+    # undisturbed cost there. A GPU is ours alone: the median.
+    stat = args.stat or ("best" if device == "cpu" else "median")
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for label, batch, m, n in shapes:
+        shape = (batch, m, n) if batch > 1 else (m, n)
+        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        flops = newton_schulz_flops(m, n, STEPS, batch)
+        reference = newton_schulz(x, STEPS, "quintic", torch.float32)
+        available = {name: fn for name, (fn, _) in impls.items() if fn is not None}
+        seconds = time_interleaved(available, x, device, warmup, reps)
+        for name, (fn, note) in impls.items():
+            row: Dict[str, Any] = dict(shape=label, batch=batch, m=m, n=n, impl=name, note=note, flops=flops)
+            if fn is None:
+                row.update(ms=None, best_ms=None, tflops=None, peak_fraction=None, rel_err=None)
+            else:
+                out = fn(x).float()
+                median, best = common.median(seconds[name]), min(seconds[name])
+                rate = flops / (best if stat == "best" else median) / 1e12
+                row.update(ms=median * 1e3, best_ms=best * 1e3, tflops=rate,
+                           peak_fraction=rate / peak if peak else None,
+                           rel_err=float((out - reference).norm() / reference.norm()))
+            rows.append(row)
+        del x, reference
+    key = "best_ms" if stat == "best" else "ms"
+    ours = {r["shape"]: r[key] for r in rows if r["impl"] == "megatron_muon"}
+    for r in rows:
+        r["speedup_of_ours"] = r[key] / ours[r["shape"]] if r[key] else None
+    return dict(env=common.environment(device), quick=quick, steps=STEPS, peak_tflops=peak, peak_note=peak_note,
+                warmup=warmup, reps=reps, stat=stat, threads=torch.get_num_threads() if device == "cpu" else None,
+                rows=rows)
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    rows = [[r["shape"], r["impl"], r["ms"], r["best_ms"], r["tflops"], r["peak_fraction"], r["speedup_of_ours"],
+             r["rel_err"], r["note"]] for r in data["rows"]]
+    stat = data["stat"]
+    table = common.md_table(
+        ["shape", "implementation", "median ms", "best ms", f"TFLOP/s ({stat})", "of peak", f"time / ours ({stat})",
+         "rel. diff vs fp32 NS", "note"], rows)
+    peak = f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_note']})" if data["peak_tflops"] else data["peak_note"]
+    sizes = "quick sizes (every side / 16, experts / 8; the real shapes are for GPUs)" if data["quick"] else "real sizes"
+    return (
+        f"{data['steps']} Newton–Schulz steps, bf16 compute, fp32 input, {sizes}; {data['reps']} calls per "
+        f"implementation after {data['warmup']} warm-up calls, taking turns; rates from the "
+        f"{'fastest call' if data['stat'] == 'best' else 'median call'}. Peak: {peak}.\n\n"
+        f"{common.provenance(data['env'])}\n\n{table}\n"
+    )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small shapes (the default on a CPU)")
+    p.add_argument("--full", action="store_true", help="real shapes even on a CPU (slow)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="also time our torch.compile-d kernel (default: on a GPU)")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: known devices)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    p.add_argument("--stat", choices=["median", "best"],
+                   help="which call sets the rates (default: best on a CPU shared with other work, median on a GPU)")
+    p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
+    p.add_argument("--name", default="newton_schulz")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    data = run(args)
+    paths = common.write_outputs(args.out, args.name, data, markdown(data))
+    rows = [[r["shape"], r["impl"], r["ms"], r["tflops"], r["peak_fraction"]] for r in data["rows"]]
+    print(common.text_table(["shape", "implementation", "ms", "TFLOP/s", "of peak"], rows))
+    print(f"\nwrote {paths['json']} and {paths['markdown']}")
+    return data
+
+
+if __name__ == "__main__":
+    from tools.bench.newton_schulz import main as _main
+
+    _main()

@@ -1,0 +1,409 @@
+#!/usr/bin/env python
+"""Optimizer step of the peers, side by side: same model, same process layout, same run.
+
+For every peer of ``tools/bench/peers.py`` (Megatron DistOpt + AdamW, Megatron-core's own
+Muon in its TP modes, ours in each TP mode) on one bf16 GPT:
+
+* **step time**: ``optimizer.step()`` alone (median over steps of the slowest rank) and
+  its ratio to AdamW's; the whole train step too;
+* **bytes per step** per collective kind, counted around ``optimizer.step()`` only and
+  around the whole train step (forward/backward, DDP's reduce-scatter, step);
+* **optimizer state per rank**: optimizer state tensors + fp32 master weights;
+* **orthogonalization error**: one step from the same weights with momentum 0, lr 1, no
+  weight decay and no clipping, so every matrix changes by -scale * NS(full gradient).
+  The change (gathered over TP and DP) is compared per logical matrix (Q, K, V apart) with
+  the exact polar factor U V^T of the full gradient (SVD), and with Newton–Schulz of the
+  full matrix in fp32; both are compared as directions (each normalised), so different
+  scale conventions do not count. Blockwise modes show their cost here.
+
+CPU default: the tiny GQA model on 4 gloo ranks, DP2 x TP2 (about a minute). On a GPU box
+the device is picked automatically; one GPU runs a larger model at TP1, more GPUs run
+under ``torchrun --nproc-per-node N ... --world N --tp T``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools.bench import common, peers
+
+MODELS: Dict[str, Dict[str, Any]] = {
+    # The CPU model: the project's tiny GQA SwiGLU GPT.
+    "tiny": dict(kind="gqa"),
+    # GPU sizes (Llama-like proportions: GQA with 4 query groups, SwiGLU 2.75x).
+    "small": dict(kind="gqa", num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
+                  num_query_groups=4, vocab_size=8192, seq_length=256),
+    "medium": dict(kind="gqa", num_layers=8, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16,
+                   num_query_groups=4, vocab_size=32000, seq_length=1024),
+}
+KINDS = ("reduce_scatter", "all_gather", "all_to_all", "all_reduce", "broadcast")
+
+
+def describe_model(spec_kwargs: Dict[str, Any]) -> str:
+    from megatron_muon.testing.models import TinyModelSpec
+
+    s = TinyModelSpec(**spec_kwargs)
+    return (f"{s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads in "
+            f"{s.num_query_groups or s.num_attention_heads} query groups, SwiGLU ffn {s.ffn_hidden_size}, "
+            f"vocab {s.vocab_size}, sequence {s.seq_length}")
+
+
+# ---------------------------------------------------------------------------------------
+# In every rank
+# ---------------------------------------------------------------------------------------
+
+
+def _now(device: str) -> float:
+    common.synchronize(device)
+    return time.perf_counter()
+
+
+def _forward_backward(model, opt, tokens, mbs, spec) -> None:
+    from megatron_muon.testing import models as M
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    opt.zero_grad()
+    M.forward_backward(model, tokens, mbs, spec)
+
+
+def _train_step(name, built, tokens, mbs, spec, device) -> tuple:
+    """One train step of a built peer: (seconds in step(), seconds for the whole step)."""
+    import torch.distributed as dist
+
+    _, model, opt, sched = built
+    t0 = _now(device)
+    _forward_backward(model, opt, tokens, mbs, spec)
+    dist.barrier()  # all ranks enter step() together: its time is the step's, not a wait
+    t1 = _now(device)
+    ok, _, _ = opt.step()
+    t2 = _now(device)
+    sched.step(1)
+    if not ok:
+        raise RuntimeError(f"{name}: an optimizer step was skipped (inf/nan)")
+    return t2 - t1, t2 - t0
+
+
+def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: int, device: str,
+                interleave: bool) -> Dict[str, Dict[str, Any]]:
+    """Step times, bytes per step and optimizer memory of every peer. Interleaved, every
+    peer is built first and the peers take turns step by step, so load from other
+    processes on a shared machine falls on all of them alike."""
+    results: Dict[str, Dict[str, Any]] = {n: dict(step_s=[], train_s=[]) for n in names}
+    groups = [names] if interleave else [[n] for n in names]
+    for group in groups:
+        built = {n: peers.build(n, spec, peers.Hyper()) for n in group}
+        for i in range(warmup + steps):
+            for n in group:
+                step, train = _train_step(n, built[n], tokens, mbs, spec, device)
+                if i >= warmup:
+                    results[n]["step_s"].append(step)
+                    results[n]["train_s"].append(train)
+        for n in group:
+            _, model, opt, _ = built[n]
+            # Traffic of one more step, counted around step() only, then around the whole step.
+            _forward_backward(model, opt, tokens, mbs, spec)
+            with peers.count_traffic() as step_traffic:
+                opt.step()
+            with peers.count_traffic() as train_traffic:
+                _forward_backward(model, opt, tokens, mbs, spec)
+                opt.step()
+            results[n].update(step_bytes=dict(step_traffic.bytes), train_bytes=dict(train_traffic.bytes),
+                              memory=peers.optimizer_state_bytes(opt))
+        del built
+        gc.collect()
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    return results
+
+
+def _probe_peer(name: str, spec, tokens, mbs: int, probe_layers: Optional[int], want_grads: bool) -> Dict[str, Any]:
+    """One step with ``peers.PROBE`` settings: the change of every matrix (this rank's
+    TP piece) and, if asked, this rank's gradient before DDP's reduction."""
+    chunks, model, opt, _ = peers.build(name, spec, peers.PROBE)
+    mats = peers.matrix_params(chunks[0])
+    if probe_layers is not None:
+        mats = {n: p for n, p in mats.items() if _layer_of(n) < probe_layers}
+    before = {n: p.detach().float().cpu().clone() for n, p in mats.items()}
+    with peers.capture_local_grads(mats) as grads:
+        _forward_backward(model, opt, tokens, mbs, spec)
+    ok, _, _ = opt.step()
+    if not ok:
+        raise RuntimeError(f"{name}: the probe step was skipped")
+    out = {
+        "change": {n: p.detach().float().cpu() - before[n] for n, p in mats.items()},
+        "dim": {n: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None) for n, p in mats.items()},
+    }
+    if want_grads:
+        out["grad"] = dict(grads)
+    del chunks, model, opt
+    return out
+
+
+def _layer_of(name: str) -> int:
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
+
+
+def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup: int, gbs: int, mbs: int,
+              probe_layers: Optional[int], interleave: bool = True) -> Dict[str, Any]:
+    """Everything this rank measures, for every peer in ``names``."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megatron_muon.testing import models as M
+
+    common.quiet()
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.current_device() != "cpu" else "cpu"
+    spec = M.TinyModelSpec(bf16=True, **spec_kwargs)
+    tokens = M.synthetic_batches(spec, gbs, 1)[0].to(device)
+    out: Dict[str, Any] = dict(
+        tp=parallel_state.get_tensor_model_parallel_rank(),
+        dp=parallel_state.get_data_parallel_rank(),
+        timing=_time_peers(names, spec, tokens, mbs, steps, warmup, device, interleave),
+        probe={},
+        qkv_parts=peers.qkv_parts(M.transformer_config(spec)),
+    )
+    want_grads = True
+    for name in names:
+        if peers.is_muon_peer(name):
+            out["probe"][name] = _probe_peer(name, spec, tokens, mbs, probe_layers, want_grads)
+            want_grads = False  # the same model and batch: the gradient is the same for all
+            gc.collect()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# In the parent: combine the ranks
+# ---------------------------------------------------------------------------------------
+
+
+def _full(pieces: Dict[int, "torch.Tensor"], dim: Optional[int]):
+    import torch
+
+    if dim is None:
+        return pieces[0]
+    return torch.cat([pieces[t] for t in sorted(pieces)], dim=dim)
+
+
+def orthogonalization_errors(ranks: List[Dict[str, Any]], device: str) -> Dict[str, Dict[str, Any]]:
+    """Per peer and logical matrix: distance of the applied change's direction from the
+    polar factor's and from fp32 Newton–Schulz's, both of the full gradient."""
+    import torch
+
+    from megatron_muon.newton_schulz import newton_schulz
+
+    grad_rank = next(r for r in ranks if any("grad" in p for p in r["probe"].values()))
+    grad_peer = next(n for n, p in grad_rank["probe"].items() if "grad" in p)
+    parts = ranks[0]["qkv_parts"]
+    # Full gradient: sum over DP ranks of the local gradients, TP pieces joined.
+    names = list(grad_rank["probe"][grad_peer]["grad"])
+    dims = grad_rank["probe"][grad_peer]["dim"]
+    grads = {}
+    for n in names:
+        by_tp: Dict[int, Any] = {}
+        for r in ranks:
+            g = r["probe"][grad_peer]["grad"][n]
+            by_tp[r["tp"]] = g if r["tp"] not in by_tp else by_tp[r["tp"]] + g
+        grads.update(peers.logical_parts(n, _full(by_tp, dims[n]), parts))
+    targets = {}
+    for key, g in grads.items():
+        g = g.to(device)
+        u, _, vh = torch.linalg.svd(g.double(), full_matrices=False)
+        targets[key] = ((u @ vh).float(), newton_schulz(g, 5, "quintic", torch.float32))
+
+    def direction_error(change, target) -> float:
+        norm = change.norm()
+        if norm == 0:
+            return float("nan")
+        return float((-change / norm - target / target.norm()).norm())
+
+    out = {}
+    for peer in ranks[0]["probe"]:
+        changes = {}
+        for n in names:
+            by_tp = {r["tp"]: r["probe"][peer]["change"][n] for r in ranks if r["dp"] == 0}
+            changes.update(peers.logical_parts(n, _full(by_tp, dims[n]), parts))
+        per = {k: (direction_error(changes[k].to(device), p), direction_error(changes[k].to(device), ns))
+               for k, (p, ns) in targets.items()}
+        polar = [v[0] for v in per.values()]
+        ns = [v[1] for v in per.values()]
+        out[peer] = dict(
+            vs_polar_mean=sum(polar) / len(polar), vs_polar_max=max(polar),
+            vs_ns_mean=sum(ns) / len(ns), vs_ns_max=max(ns),
+            matrices={k: dict(vs_polar=a, vs_ns=b) for k, (a, b) in per.items()},
+        )
+    return out
+
+
+def summarize(ranks: List[Dict[str, Any]], names: List[str]) -> Dict[str, Dict[str, Any]]:
+    """Step times (slowest rank per step, median over steps), bytes, memory per peer."""
+    world = len(ranks)
+    out = {}
+    for name in names:
+        per_rank = [r["timing"][name] for r in ranks]
+        steps = len(per_rank[0]["step_s"])
+        step = common.median([max(r["step_s"][i] for r in per_rank) for i in range(steps)])
+        train = common.median([max(r["train_s"][i] for r in per_rank) for i in range(steps)])
+
+        def bytes_of(which: str) -> Dict[str, Dict[str, float]]:
+            kinds = sorted({k for r in per_rank for k in r[which]})
+            totals = {k: sum(r[which].get(k, 0) for r in per_rank) for k in kinds}
+            return {
+                "per_rank_mean": {k: totals[k] / world for k in kinds},
+                "total": totals,
+                "per_rank": [dict(r[which]) for r in per_rank],
+            }
+
+        memory = [r["memory"]["total"] for r in per_rank]
+        out[name] = dict(
+            label=peers.LABELS[name],
+            step_ms=step * 1e3,
+            train_step_ms=train * 1e3,
+            step_bytes=bytes_of("step_bytes"),
+            train_bytes=bytes_of("train_bytes"),
+            memory_per_rank=[r["memory"] for r in per_rank],
+            memory_max=max(memory),
+            memory_mean=sum(memory) / world,
+        )
+    base = out.get(peers.BASELINE)
+    for row in out.values():
+        row["ratio"] = row["step_ms"] / base["step_ms"] if base else float("nan")
+    return out
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    results, errors = data["peers"], data["errors"]
+    lay = data["layout"]
+    head = (
+        f"Model `{data['model']}` ({data['model_description']}), bf16 with fp32 master weights, "
+        f"{lay['world']} ranks (TP{lay['tp']} x DP{lay['dp']}), {data['steps']} timed steps after "
+        f"{data['warmup']} warm-up steps{' (peers taking turns step by step)' if data['interleaved'] else ''}, "
+        f"global batch {data['gbs']}.\n\n" + common.provenance(data["env"])
+    )
+    rows = []
+    for name, r in results.items():
+        e = errors.get(name, {})
+        rows.append([
+            r["label"], r["step_ms"], r["ratio"], r["train_step_ms"], common.human_bytes(r["memory_max"]),
+            e.get("vs_polar_mean"), e.get("vs_polar_max"), e.get("vs_ns_mean"), e.get("vs_ns_max"),
+        ])
+    main = common.md_table(
+        ["optimizer", "step ms", "step / AdamW", "train step ms", "opt. state / rank (max)",
+         "err vs polar (mean)", "err vs polar (max)", "err vs full NS (mean)", "err vs full NS (max)"],
+        rows,
+    )
+    byte_rows = []
+    for name, r in results.items():
+        for which, label in (("step_bytes", "step()"), ("train_bytes", "train step")):
+            mean = r[which]["per_rank_mean"]
+            byte_rows.append([r["label"], label] + [int(mean.get(k, 0)) for k in KINDS] + [int(sum(mean.values()))])
+    traffic = common.md_table(["optimizer", "counted around"] + [k.replace("_single", "") for k in KINDS] + ["total"], byte_rows)
+    return (
+        f"{head}\n\n{main}\n\nErrors are distances between unit-norm directions, "
+        "‖−Δ/‖Δ‖ − T/‖T‖‖_F for the change Δ of each logical matrix (Q, K, V apart), T the polar factor "
+        "U V^T (SVD) or fp32 Newton–Schulz of the full gradient (5 quintic steps, the same "
+        "iteration every peer runs here)"
+        + (f", over the matrices of the first {data['probe_layers']} layer(s)" if data.get("probe_layers") else "")
+        + ". Where a gradient has fewer tokens behind it than its matrix's smaller side, U V^T also lifts the "
+        "near-zero directions to one, and every peer's distance to it grows alike.\n\n"
+        f"Bytes sent per step per rank (mean over ranks), by collective:\n\n{traffic}\n"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer steps (and the small model on a GPU)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--model", choices=sorted(MODELS), help="default: tiny on the CPU, medium (quick: small) on a GPU")
+    p.add_argument("--world", type=int, help="ranks (default: 4 on the CPU, $WORLD_SIZE or 1 on a GPU)")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 on the CPU, 1 on a GPU)")
+    p.add_argument("--peers", help="comma-separated (default: all), from: " + ", ".join(peers.PEERS))
+    p.add_argument("--steps", type=int, help="timed steps (default 10; quick 5)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--gbs", type=int, default=8, help="global batch size")
+    p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
+    p.add_argument("--probe-layers", type=int, help="orthogonalization error on the first N layers (default: all)")
+    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                   help="build all peers, then let them take turns step by step (default: on the CPU, where "
+                        "other processes add noise; off on a GPU, where all peers may not fit at once)")
+    p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
+    p.add_argument("--name", default="optimizer_step", help="output file name (without extension)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> Dict[str, Any]:
+    import os
+
+    device = common.pick_device(args.device)
+    on_gpu = device == "cuda"
+    world = args.world or (int(os.environ.get("WORLD_SIZE", "1")) if on_gpu else 4)
+    tp = args.tp or (1 if on_gpu else 2)
+    model = args.model or ("tiny" if not on_gpu else "small" if args.quick else "medium")
+    steps = args.steps or (5 if args.quick else 10)
+    names = [n.strip() for n in (args.peers or ",".join(peers.PEERS)).split(",") if n.strip()]
+    for n in names:
+        if n not in peers.PEERS:
+            raise SystemExit(f"unknown peer {n!r}; use names from {peers.PEERS}")
+    if args.peers is None and not peers.have_megatron_muon():
+        print("emerging-optimizers is not installed: Megatron-core's own Muon is left out (pip install "
+              "emerging-optimizers)")
+        names = [n for n in names if not n.startswith("megatron_muon")]
+    probe_layers = args.probe_layers if args.probe_layers is not None else (None if model == "tiny" else 1)
+    started = time.perf_counter()
+    interleave = args.interleave if args.interleave is not None else not on_gpu
+    ranks = common.launch(rank_main, world, MODELS[model], names, steps, args.warmup, args.gbs, args.mbs,
+                          probe_layers, interleave, device=device, tp=tp)
+    data: Dict[str, Any] = dict(
+        env=common.environment(device),
+        layout=dict(world=world, tp=tp, dp=world // tp),
+        model=model,
+        model_spec=MODELS[model],
+        model_description=describe_model(MODELS[model]),
+        interleaved=interleave,
+        probe_layers=probe_layers,
+        steps=steps,
+        warmup=args.warmup,
+        gbs=args.gbs,
+        mbs=args.mbs,
+        peers=summarize(ranks, names),
+        errors=orthogonalization_errors(ranks, device) if any(peers.is_muon_peer(n) for n in names) else {},
+    )
+    data["wall_s"] = time.perf_counter() - started
+    return data
+
+
+def main(argv=None) -> Dict[str, Any]:
+    args = parse_args(argv)
+    data = run(args)
+    if not common.is_main_process():
+        return data
+    md = markdown(data)
+    paths = common.write_outputs(args.out, args.name, data, md)
+    rows = [[r["label"], r["step_ms"], r["ratio"], common.human_bytes(r["memory_max"]),
+             data["errors"].get(n, {}).get("vs_polar_mean"), data["errors"].get(n, {}).get("vs_ns_mean")]
+            for n, r in data["peers"].items()]
+    print(common.text_table(["optimizer", "step ms", "/ AdamW", "state/rank", "err polar", "err NS"], rows))
+    print(f"\nwrote {paths['json']} and {paths['markdown']} ({data['wall_s']:.0f} s)")
+    return data
+
+
+if __name__ == "__main__":
+    from tools.bench.optimizer_step import main as _main  # ranks import the module by name
+
+    _main()

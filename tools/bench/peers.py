@@ -1,0 +1,255 @@
+"""The optimizers we compare, built the same way on the same model, and how we measure them.
+
+Peers (all on a bf16 Megatron-core GPTModel with fp32 master weights, Megatron DDP with
+the distributed-optimizer buffer layout, the same learning rate, weight decay and
+clipping):
+
+* ``megatron_adamw`` - Megatron-core's ``DistributedOptimizer`` with AdamW (the baseline);
+* ``megatron_muon_<mode>`` - Megatron-core's own Muon (``optimizer="muon"``, the
+  layer-wise distributed optimizer, emerging-optimizers' ``TensorParallelMuon``) in its
+  TP modes ``blockwise``, ``duplicated`` and ``distributed``. It needs its own DDP buffer
+  layout (``LayerWiseDistributedOptimizer.compute_full_param_layout``) and ``bf16=True``.
+  We set its Newton–Schulz coefficients to ``"simple"`` (Keller Jordan's, the same as our
+  default ``"quintic"``) so both run the same iteration;
+* ``ours_<mode>`` - ``megatron_muon.get_muon_optimizer`` in its TP modes ``exact``,
+  ``blockwise`` and ``duplicated``.
+
+Measurements: optimizer-state bytes per rank, collective bytes (``count_traffic``), and
+the gradient each rank contributed before DDP reduced it (``capture_local_grads``), from
+which the parent rebuilds every full gradient matrix for the orthogonalization error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+PEERS = (
+    "megatron_adamw",
+    "megatron_muon_blockwise",
+    "megatron_muon_duplicated",
+    "megatron_muon_distributed",
+    "ours_exact",
+    "ours_blockwise",
+    "ours_duplicated",
+)
+BASELINE = "megatron_adamw"
+
+LABELS = {
+    "megatron_adamw": "Megatron DistOpt + AdamW",
+    "megatron_muon_blockwise": "Megatron Muon, blockwise",
+    "megatron_muon_duplicated": "Megatron Muon, duplicated",
+    "megatron_muon_distributed": "Megatron Muon, distributed",
+    "ours_exact": "megatron_muon, exact",
+    "ours_blockwise": "megatron_muon, blockwise",
+    "ours_duplicated": "megatron_muon, duplicated",
+}
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """The settings every peer gets."""
+
+    lr: float = 0.02
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    momentum: float = 0.95
+
+
+# One step from a known state whose update is exactly -lr * scale * NS(grad).
+PROBE = Hyper(lr=1.0, weight_decay=0.0, clip_grad=0.0, momentum=0.0)
+
+
+def have_megatron_muon() -> bool:
+    """Megatron-core's Muon needs the emerging-optimizers package."""
+    try:
+        import emerging_optimizers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def is_muon_peer(name: str) -> bool:
+    return name != BASELINE
+
+
+def _tp_mode(name: str) -> str:
+    return name.rsplit("_", 1)[1]
+
+
+def _scheduler(optimizer, hyper: Hyper):
+    """Megatron-LM's scheduler at a constant rate (it also applies the no-decay groups)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer, init_lr=hyper.lr, max_lr=hyper.lr, min_lr=hyper.lr, lr_warmup_steps=0,
+        lr_decay_steps=10**6, lr_decay_style="constant", start_wd=hyper.weight_decay,
+        end_wd=hyper.weight_decay, wd_incr_steps=10**6, wd_incr_style="constant",
+    )
+
+
+def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
+    """``(chunks, ddp_model, optimizer, scheduler)`` of peer ``name`` on ``spec``, from the
+    layout-independent canonical weights (so every peer starts from the same model)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_muon import MuonConfig, get_muon_optimizer
+    from megatron_muon.testing import models as M
+
+    chunks = M.build_model_chunks(spec)
+    M.canonical_init_(chunks, seed=0)
+    common = dict(
+        lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay, clip_grad=hyper.clip_grad,
+        bf16=True, params_dtype=torch.bfloat16, adam_beta1=0.9, adam_beta2=0.95,
+    )
+    if name.startswith("megatron_muon"):
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer.layer_wise_optimizer import (
+            LayerWiseDistributedOptimizer,
+            tag_params_for_buffer_routing,
+        )
+
+        tag_params_for_buffer_routing(chunks)
+        params = [p for c in chunks for p in c.parameters()]
+        # The same DDP settings as wrap_ddp, so the layout matches the buffers it builds.
+        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
+            params, None, parallel_state.get_data_parallel_world_size(),
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+        )
+        model = M.wrap_ddp(chunks, chunks[0].config, full_param_layout=layout)
+        cfg = OptimizerConfig(
+            optimizer="muon", use_distributed_optimizer=True, use_layer_wise_distributed_optimizer=True,
+            muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_nesterov=True,
+            muon_coefficient_type="simple", muon_num_ns_steps=5, muon_split_qkv=True, **common,
+        )
+        opt = get_megatron_optimizer(cfg, model)
+    elif name.startswith("ours"):
+        model = M.wrap_ddp(chunks, chunks[0].config)
+        opt = get_muon_optimizer(MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, **common), model)
+    elif name == BASELINE:
+        model = M.wrap_ddp(chunks, chunks[0].config)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common), model)
+    else:
+        raise ValueError(f"unknown peer {name!r}; use one of {PEERS}")
+    return chunks, model, opt, _scheduler(opt, hyper)
+
+
+# ---------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------
+
+
+def _leaf_optimizers(opt) -> Iterator[Any]:
+    if hasattr(opt, "chained_optimizers"):
+        for child in opt.chained_optimizers:
+            yield from _leaf_optimizers(child)
+    else:
+        yield opt
+
+
+def optimizer_state_bytes(opt) -> Dict[str, int]:
+    """Bytes of optimizer state tensors and fp32 master weights held by this rank.
+
+    Every Megatron optimizer (and ours) keeps its masters as the params of its inner torch
+    optimizer; on a bf16 model every fp32 one is a master copy. Shared storage counts once.
+    """
+    seen = set()
+    out = {"state": 0, "master": 0}
+
+    def add(kind: str, t: torch.Tensor) -> None:
+        key = (t.data_ptr(), t.numel(), t.dtype)
+        if key not in seen:
+            seen.add(key)
+            out[kind] += t.numel() * t.element_size()
+
+    for leaf in _leaf_optimizers(opt):
+        inner = getattr(leaf, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if p.dtype == torch.float32:
+                    add("master", p)
+        for state in inner.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    add("state", value)
+    out["total"] = out["state"] + out["master"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Traffic
+# ---------------------------------------------------------------------------------------
+
+
+def count_traffic():
+    """Every collective's bytes, Megatron's Muon included: its duplicated mode gathers TP
+    shards and its layer-wise optimizer gathers parameters with the list form of
+    ``torch.distributed.all_gather``, which ``count_collectives`` counts too."""
+    from megatron_muon.traffic import count_collectives
+
+    return count_collectives()
+
+
+# ---------------------------------------------------------------------------------------
+# Gradients before DDP's reduction
+# ---------------------------------------------------------------------------------------
+
+
+def matrix_params(chunk: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    """The weights every Muon peer orthogonalizes: 2-D, not embedding / output layer."""
+    return {
+        n: p
+        for n, p in chunk.named_parameters()
+        if p.dim() == 2 and "embedding" not in n and "output_layer" not in n
+    }
+
+
+@contextlib.contextmanager
+def capture_local_grads(params: Dict[str, torch.nn.Parameter]) -> Iterator[Dict[str, torch.Tensor]]:
+    """Copy each param's ``main_grad`` just before DDP reduces it (Megatron's
+    ``finalize_model_grads``). The sum over data-parallel ranks of these copies is the
+    full gradient up to a positive factor, whatever buffer layout a peer uses; the polar
+    factor does not depend on that factor."""
+    import megatron.core.distributed as mcd
+
+    captured: Dict[str, torch.Tensor] = {}
+    original = mcd.finalize_model_grads
+
+    def finalize(*args, **kwargs):
+        for name, p in params.items():
+            captured[name] = p.main_grad.detach().float().cpu().clone()
+        return original(*args, **kwargs)
+
+    mcd.finalize_model_grads = finalize
+    try:
+        yield captured
+    finally:
+        mcd.finalize_model_grads = original
+
+
+def qkv_parts(config) -> Optional[List[Tuple[str, int]]]:
+    """(role, rows) of one query group of a fused ``linear_qkv``, as every peer splits it."""
+    heads = config.num_attention_heads
+    groups = config.num_query_groups or heads
+    d = config.kv_channels
+    return [("q", heads // groups * d), ("k", d), ("v", d)]
+
+
+def logical_parts(name: str, full: torch.Tensor, parts: List[Tuple[str, int]]) -> Dict[str, torch.Tensor]:
+    """The Q, K, V matrices of a full fused QKV weight (rows: query groups of [q; k; v]);
+    any other weight is one matrix."""
+    if not name.endswith("linear_qkv.weight"):
+        return {name: full}
+    group_rows = sum(r for _, r in parts)
+    grouped = full.view(full.shape[0] // group_rows, group_rows, full.shape[1])
+    out, offset = {}, 0
+    for role, rows in parts:
+        out[f"{name}[{role}]"] = grouped[:, offset : offset + rows].reshape(-1, full.shape[1])
+        offset += rows
+    return out
