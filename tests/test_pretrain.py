@@ -95,6 +95,17 @@ def test_single_rank_stdlib_loss_falls(single_rank):
     assert (single_rank["dir"] / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "30"
 
 
+def test_readme_first_command():
+    """README's first command, after its install step, as written (this venv's bin for .venv/bin):
+    the validation loss falls from its start to well below."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"```bash\n(python3.12 -m venv .*?)\n```", readme).group(1)
+    train = command.split(" && ")[-1].replace(".venv/bin/", str(Path(sys.executable).parent) + "/")
+    stdout = run(train.split(), timeout=300)
+    valid = [float(v) for v in re.findall(r"validation loss at iteration \d+ \| lm loss value: ([0-9.E+-]+)", stdout)]
+    assert len(valid) >= 2 and valid[-1] < valid[0] - 2.0, valid
+
+
 def test_resume_continues_bitwise(single_rank, cache):
     """Load iteration 15 (same layout): iterations 16..30 repeat the uninterrupted run exactly."""
     out = single_rank["dir"]

@@ -210,6 +210,9 @@ def train(
     for chunk in model:
         chunk.train()
     print_rank_0(f"training from iteration {iteration} to {args.train_iters} ...")
+    if iteration == 0 and args.eval_interval and args.eval_iters and valid_ds is not None:
+        # Where the validation loss starts, so the first evaluation has something to beat.
+        logger.record_eval(0, evaluate(args, model, valid_ds, dp_rank, dp_size), "validation")
     while iteration < args.train_iters:
         losses, ok, grad_norm, max_logit = train_step(args, model, optimizer, iterators)
         iteration += 1

@@ -309,6 +309,7 @@ def markdown(data: Dict[str, Any]) -> str:
             mean = r[which]["per_rank_mean"]
             byte_rows.append([r["label"], label] + [int(mean.get(k, 0)) for k in KINDS] + [int(sum(mean.values()))])
     traffic = common.md_table(["optimizer", "counted around"] + [k.replace("_single", "") for k in KINDS] + ["total"], byte_rows)
+    targets = targets_table(results)
     return (
         f"{head}\n\n{main}\n\nErrors are distances between unit-norm directions, "
         "‖−Δ/‖Δ‖ − T/‖T‖‖_F for the change Δ of each logical matrix (Q, K, V apart), T the polar factor "
@@ -318,7 +319,33 @@ def markdown(data: Dict[str, Any]) -> str:
         + ". Where a gradient has fewer tokens behind it than its matrix's smaller side, U V^T also lifts the "
         "near-zero directions to one, and every peer's distance to it grows alike.\n\n"
         f"Bytes sent per step per rank (mean over ranks), by collective:\n\n{traffic}\n"
+        + (f"\nThe project's targets, from this run:\n\n{targets}\n" if targets else "")
     )
+
+
+# (ours, peer, what, limit): ours / peer must not exceed limit.
+TARGETS = (
+    ("ours_exact", "megatron_adamw", "train_bytes", 1.5),
+    ("ours_exact", "megatron_muon_duplicated", "train_bytes", 1.0),
+    ("ours_exact", "megatron_muon_blockwise", "step_ms", 1.2),
+)
+
+
+def targets_table(results: Dict[str, Any]) -> str:
+    """The targets (bytes per train step vs AdamW and vs Megatron's duplicated Muon; step
+    time vs Megatron's blockwise Muon) as measured ratios, met or not."""
+    def value(r, what):
+        return sum(r[what]["per_rank_mean"].values()) if what.endswith("bytes") else r[what]
+
+    rows = []
+    for ours, peer, what, limit in TARGETS:
+        if ours not in results or peer not in results:
+            continue
+        ratio = value(results[ours], what) / max(value(results[peer], what), 1e-12)
+        label = "bytes per train step" if what == "train_bytes" else "optimizer-step time"
+        rows.append([f"{label}: {results[ours]['label']} / {results[peer]['label']}", ratio, f"<= {limit}",
+                     "met" if ratio <= limit else "NOT met"])
+    return common.md_table(["measure", "ratio", "target", ""], rows) if rows else ""
 
 
 # ---------------------------------------------------------------------------------------
