@@ -55,18 +55,24 @@ def _ensure_process_group() -> None:
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
+def _read_metadata(path: str):
+    """torch.distributed.checkpoint's metadata of ``path`` (every tensor's global shape)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _ensure_process_group()
+    try:
+        return FileSystemReader(path).read_metadata()
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
+
+
 def read_checkpoint(path: str) -> Checkpoint:
     """Every tensor (full global shape), sharded object and the common state of ``path``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    _ensure_process_group()
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except _READ_ERRORS as e:
-        raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
+    metadata = _read_metadata(path)
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -222,15 +228,9 @@ def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9)
 def inspect(path: str) -> str:
     """A readable summary of a checkpoint."""
     from megatron.core import dist_checkpointing
-
-    _ensure_process_group()
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except _READ_ERRORS as e:
-        raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
+    metadata = _read_metadata(path)
     common = dist_checkpointing.load_common_state_dict(path)
     opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}
     kind = "muon" if opt.get("format") == FORMAT else (

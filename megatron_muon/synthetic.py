@@ -35,6 +35,20 @@ class ParamShape:
     """'linear_fc1', 'linear_qkv', ... (what the layout rules look at)."""
 
 
+def dp_ranges_in_layout(layout, param: torch.Tensor, dp_size: int) -> List[Tuple[int, int]]:
+    """Each DP rank's (start, end) of ``param``'s flat storage, under one of Megatron's
+    per-buffer layouts (``(0, 0)`` where the rank holds none of it)."""
+    start, end, bucket_id = layout.param_index_map[param]
+    b_start, b_end = layout.bucket_indices[bucket_id]
+    per_rank = (b_end - b_start) // dp_size
+    ranges = []
+    for r in range(dp_size):
+        lo, hi = b_start + r * per_rank, b_start + (r + 1) * per_rank
+        s, e = max(start, lo), min(end, hi)
+        ranges.append((s - start, e - start) if e > s else (0, 0))
+    return ranges
+
+
 def _dp_ranges(params: Sequence[torch.Tensor], dp_size: int) -> List[List[Tuple[int, int]]]:
     """Each DP rank's flat range of every param, as Megatron DDP lays out one buffer."""
     from megatron.core.distributed import DistributedDataParallelConfig
@@ -43,18 +57,7 @@ def _dp_ranges(params: Sequence[torch.Tensor], dp_size: int) -> List[List[Tuple[
     layout = DistributedOptimizer._compute_per_buffer_param_layout(
         list(params), None, dp_size, DistributedDataParallelConfig(use_distributed_optimizer=True)
     )
-    out = []
-    for param in params:
-        start, end, bucket_id = layout.param_index_map[param]
-        b_start, b_end = layout.bucket_indices[bucket_id]
-        per_rank = (b_end - b_start) // dp_size
-        ranges = []
-        for r in range(dp_size):
-            lo, hi = b_start + r * per_rank, b_start + (r + 1) * per_rank
-            s, e = max(start, lo), min(end, hi)
-            ranges.append((s - start, e - start) if e > s else (0, 0))
-        out.append(ranges)
-    return out
+    return [dp_ranges_in_layout(layout, param, dp_size) for param in params]
 
 
 def synthetic_plan(

@@ -265,15 +265,9 @@ def buffer_layouts(params: List[StageParam], dp: int, edp: int, bucket_size: Opt
 
 def dp_ranges(layout, param: torch.nn.Parameter, dp: int):
     """Each DP rank's (start, end) of ``param``'s flat storage under a per-buffer layout."""
-    start, end, bucket = layout.param_index_map[param]
-    b_start, b_end = layout.bucket_indices[bucket]
-    per_rank = (b_end - b_start) // dp
-    ranges = []
-    for r in range(dp):
-        lo, hi = b_start + r * per_rank, b_start + (r + 1) * per_rank
-        s, e = max(start, lo), min(end, hi)
-        ranges.append((s - start, e - start) if e > s else (0, 0))
-    return ranges
+    from megatron_muon.synthetic import dp_ranges_in_layout
+
+    return dp_ranges_in_layout(layout, param, dp)
 
 
 def owner_shard(layout, param: torch.nn.Parameter) -> int:
