@@ -12,6 +12,10 @@ The record is a running max over the micro-batches of a step (a ``[heads_per_par
 fp32 tensor); the optimizer all-reduces it over data/context-parallel ranks, uses it, and
 resets it to ``None``. The logits tensor is the one softmax needs anyway; recording is
 one ``amax`` over it, no second copy kept.
+
+``TensorParallelMLASelfAttention`` is Megatron's ``MLASelfAttention`` with the two
+tensor-parallel gradient errors of its local (``ColumnParallelLinear`` down-projection)
+path corrected; the local layer spec uses it for multi-latent attention.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 
 class RecordingDotProductAttention(MegatronModule):
@@ -111,3 +116,84 @@ class RecordingDotProductAttention(MegatronModule):
                 probs = self.dropout(probs)
         context = torch.einsum("bnst,tbnd->sbnd", probs, value)
         return context.reshape(context.shape[0], context.shape[1], -1)
+
+
+class TensorParallelMLASelfAttention(MLASelfAttention):
+    """``MLASelfAttention`` whose gradients at TP > 1 equal those at TP = 1.
+
+    Megatron-core 0.19's MLA, built with ``ColumnParallelLinear`` down projections (the
+    local spec; transformer-engine's ``TELinear`` is the only other choice it accepts),
+    computes wrong gradients when tensor parallelism is on:
+
+    1. ``k_pos_emb`` (the rope part of the key, shared by all heads) is cut out of
+       ``linear_kv_down_proj``'s output after ``gather_from_tensor_model_parallel_region``,
+       whose backward only *splits*. Every TP rank uses it for its own heads, so its
+       gradient is a per-rank partial sum that is never reduced over TP: the rope rows of
+       ``linear_kv_down_proj`` get only the owning rank's heads' share, and so does the
+       input gradient of the layer (every earlier parameter is off). With or without
+       sequence parallelism. (Megatron-LM issue #1699.)
+    2. Without sequence parallelism the ``q_layernorm`` gradient is TP times too large:
+       ``linear_q_up_proj`` (column parallel) all-reduces its input gradient, so the norm
+       after it already has the full gradient on every rank, and then
+       ``finalize_model_grads._allreduce_non_tensor_model_parallel_grads`` sums it over TP
+       once more because its name contains ``q_layernorm`` and ``config.qk_layernorm`` is
+       set (a rule meant for per-head q/k norms, whose gradients *are* partial).
+       (``kv_layernorm`` does not match that rule, so it is right.)
+
+    The fixes move or add one TP reduction; nothing changes at TP = 1, and with sequence
+    parallelism only (1) applies:
+
+    1. The down projection's output is gathered here, and the rope part gets a
+       ``copy_to_tensor_model_parallel_region`` (backward: all-reduce of its gradient)
+       before the heads use it. With sequence parallelism the gathered output is scattered
+       over the sequence instead, which sends Megatron down its "duplicated linear" branch:
+       there ``gather_from_sequence_parallel_region(k_pos_emb)`` reduce-scatters the
+       gradient, summing the heads of all ranks.
+    2. Without sequence parallelism the all-reduce of the query latent's gradient is moved
+       from ``linear_q_up_proj``'s input (after the norm) to the norm's input, so the
+       norm's weight gradient is the per-rank partial sum that ``finalize_model_grads``
+       expects to sum. Same communication as before.
+    """
+
+    def __init__(self, config, submodules, *args, **kwargs) -> None:
+        super().__init__(config, submodules, *args, **kwargs)
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        self._tp_size = self.tp_group.size() if self.tp_group is not None else 1
+        self._sharded_kv_down = self._tp_size > 1 and isinstance(self.linear_kv_down_proj, ColumnParallelLinear)
+        self._q_grad_reduce_before_norm = (
+            self._tp_size > 1
+            and not config.sequence_parallel
+            and config.q_lora_rank is not None
+            and config.qk_layernorm
+            and isinstance(self.linear_q_up_proj, ColumnParallelLinear)
+        )
+        if self._q_grad_reduce_before_norm:
+            # Done in _qkv_down_projection, before q_layernorm, instead.
+            self.linear_q_up_proj.disable_grad_reduce = True
+            self.linear_q_up_proj.allreduce_dgrad = False
+
+    def _qkv_down_projection(self, hidden_states):
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            gather_from_tensor_model_parallel_region,
+            scatter_to_sequence_parallel_region,
+        )
+
+        q_compressed, kv_combined = super()._qkv_down_projection(hidden_states)
+        if self._q_grad_reduce_before_norm:
+            q_compressed = copy_to_tensor_model_parallel_region(q_compressed, group=self.tp_group)
+        width = self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim
+        if not self._sharded_kv_down or kv_combined.size(-1) == width:
+            return q_compressed, kv_combined
+        # [s, b, width / TP] -> [s, b, width] (backward: split)
+        kv_combined = gather_from_tensor_model_parallel_region(kv_combined, group=self.tp_group)
+        if self.config.sequence_parallel:
+            # [s / TP, b, width]: Megatron splits it and gathers k_pos_emb over the sequence,
+            # whose backward (reduce-scatter) sums the rope gradient over TP ranks.
+            return q_compressed, scatter_to_sequence_parallel_region(kv_combined, group=self.tp_group)
+        kv_compressed, k_pos_emb = torch.split(
+            kv_combined, [self.config.kv_lora_rank, self.config.qk_pos_emb_head_dim], dim=-1
+        )
+        k_pos_emb = copy_to_tensor_model_parallel_region(k_pos_emb, group=self.tp_group)
+        return q_compressed, torch.cat([kv_compressed, k_pos_emb], dim=-1)

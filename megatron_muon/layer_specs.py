@@ -1,9 +1,11 @@
 """GPT layer and block specs with the pieces Muon / QK-Clip need, on any backend.
 
 * Without transformer-engine: Megatron's local spec, with ``RecordingDotProductAttention``
-  as core attention (records per-head max logits; accepts MLA's k/v channel sizes) and
+  as core attention (records per-head max logits; accepts MLA's k/v channel sizes),
   ``SequenceParallelNorm`` as norm (so TP + sequence parallelism, which MoE requires,
-  runs without Apex or TE).
+  runs without Apex or TE) and, for multi-latent attention, ``TensorParallelMLASelfAttention``
+  (Megatron's ``MLASelfAttention`` computes wrong gradients at TP > 1 in this spec: see
+  that class).
 * With transformer-engine installed (``use_te=True``): Megatron's TE spec unchanged; TE's
   attention records max logits itself when ``config.qk_clip`` is set.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .attention import RecordingDotProductAttention
+from .attention import RecordingDotProductAttention, TensorParallelMLASelfAttention
 from .norms import SequenceParallelNorm, use_sequence_parallel_norms
 
 
@@ -56,6 +58,13 @@ def gpt_layer_spec(
         normalization=normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = RecordingDotProductAttention
+    if multi_latent_attention:
+        # Megatron's MLASelfAttention with ColumnParallelLinear down projections (the only
+        # ones it accepts without TE) never reduces the shared rope key's gradient over TP
+        # ranks, and (without sequence parallelism) gets q_layernorm's gradient summed over
+        # TP twice. Same modules and parameters, the TP gradient reductions corrected; a
+        # no-op at TP = 1.
+        spec.submodules.self_attention.module = TensorParallelMLASelfAttention
     use_sequence_parallel_norms(spec)
     return spec
 
