@@ -18,9 +18,12 @@ Modules (each small, one concern):
 * ``data``        - the stdlib corpus, Megatron indexed / mock datasets, batch iterators;
 * ``training``    - forward step, train / eval loop;
 * ``metrics``     - Megatron-LM style log lines, TensorBoard, JSONL metrics;
-* ``checkpointing`` - same-layout save / load (atomic);
+* ``checkpointing`` - atomic save / load: per-rank files (same layout) or torch_dist
+  (reshardable, the default with Muon);
 * ``preprocess``  - text / JSONL to a Megatron indexed dataset;
-* ``pretrain``    - ``main()``.
+* ``pretrain``    - ``main()``;
+* ``integration`` - ``use_megatron_muon()``: ``--optimizer muon`` inside Megatron-LM's own
+  ``pretrain_gpt.py`` (for users with a Megatron-LM checkout).
 """
 
 from .pretrain import main

@@ -5,9 +5,9 @@ Two formats (``--ckpt-format``), one directory layout::
     SAVE/latest_checkpointed_iteration.txt      the iteration to resume from
     SAVE/iter_0000100/...                       one checkpoint
 
-* ``torch`` (default): ``iter_XXXXXXX/rank_00000.pt ...`` (model chunks, optimizer,
+* ``torch`` (default with adam / sgd): ``iter_XXXXXXX/rank_00000.pt ...`` (model chunks, optimizer,
   scheduler, RNG per rank) and ``metadata.json``; resumes at the same parallel layout.
-* ``torch_dist`` (Muon only): ``megatron_muon.checkpoint``'s reshardable checkpoint (model
+* ``torch_dist`` (Muon only, its default): ``megatron_muon.checkpoint``'s reshardable checkpoint (model
   and optimizer state in model coordinates, scheduler and arguments in its common state,
   RNG states per rank); loads into any TP / PP / EP / DP layout. The RNG states come back
   only at the same world size.

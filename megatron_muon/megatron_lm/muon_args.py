@@ -138,11 +138,18 @@ def _default(f: dataclasses.Field) -> Any:
     return None
 
 
-def add_muon_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add one flag per ``muon_*`` field of ``MuonConfig`` (used with ``--optimizer muon``)."""
+def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = False) -> None:
+    """Add one flag per ``muon_*`` field of ``MuonConfig`` (used with ``--optimizer muon``).
+
+    With ``reuse_existing`` (a parser that already defines some ``--muon-*`` flags, such as
+    Megatron-LM's), option strings the parser already has are left to it and only the
+    missing spellings are added (a boolean's ``--no-muon-x`` next to Megatron's
+    ``--muon-x``, for instance); without it, a clash is argparse's error.
+    """
     group = parser.add_argument_group(
         "Muon (generated from megatron_muon.MuonConfig; used with --optimizer muon)"
     )
+    taken = set(parser._option_string_actions) if reuse_existing else set()
     hints, docs = _hints(), field_docstrings(_config_class())
     for f in muon_fields():
         kind = _kind(hints[f.name])
@@ -154,11 +161,14 @@ def add_muon_arguments(parser: argparse.ArgumentParser) -> None:
         if kind == "bool":
             short = f.name[len("muon_"):].replace("_", "-")
             negatives = [f"--no-{flag[2:]}", f"--muon-no-{short}"]
-            group.add_argument(
-                flag, *negatives, *MEGATRON_ALIASES.get(f.name, []), dest=f.name, action=BoolFlag,
-                negatives=negatives, default=default,
-                help=f"{help_text} (default: {default}; disable with {negatives[0]})",
-            )
+            options = [o for o in (flag, *negatives, *MEGATRON_ALIASES.get(f.name, [])) if o not in taken]
+            if options:
+                group.add_argument(
+                    *options, dest=f.name, action=BoolFlag, negatives=negatives, default=default,
+                    help=f"{help_text} (default: {default}; disable with {negatives[0]})",
+                )
+        elif flag in taken:
+            continue
         elif kind == "dtype":
             group.add_argument(
                 flag, dest=f.name, type=parse_dtype, default=default, metavar="{bf16,fp32,fp16}",

@@ -1,0 +1,272 @@
+"""Route ``--optimizer muon`` to megatron_muon inside Megatron-LM's own ``pretrain_gpt.py``.
+
+With a Megatron-LM checkout, add two lines to its ``pretrain_gpt.py`` anywhere before
+``parse_and_validate_args`` runs (right after the imports is fine)::
+
+    from megatron_muon.megatron_lm.integration import use_megatron_muon
+    use_megatron_muon()
+
+and launch as before with ``--optimizer muon --use-distributed-optimizer`` and any ``--muon-*``
+flags (``--help`` lists them); ``--muon-impl megatron`` selects Megatron-core's own Muon.
+Three module globals are wrapped, each looked up by Megatron-LM at call time (line numbers:
+Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0.19.2 ships):
+
+1. ``megatron.training.arguments.add_megatron_arguments`` (``parse_args`` builds its parser
+   with it, arguments.py:121) also calls :func:`add_muon_arguments`;
+2. ``megatron.training.arguments.validate_args`` (``parse_and_validate_args``, :107). Megatron
+   turns ``--optimizer muon --use-distributed-optimizer`` into its LayerWiseDistributedOptimizer
+   (:1670-1682); ours shards its state like the DistributedOptimizer, so the wrapper refuses
+   what we cannot run (:func:`check_supported`), validates the rest as Megatron validates
+   ``adam`` and restores ``optimizer='muon'``: DDP is then built as for the
+   DistributedOptimizer (``get_megatron_ddp_config`` and its parameter layout);
+3. ``megatron.training.training.get_megatron_optimizer`` (imported at training.py:71-77, called
+   by ``setup_model_and_optimizer`` at :2132 with ``config_overrides``, ``use_gloo_process_groups``
+   and ``dump_param_to_param_group_map``): for our ``muon`` it calls
+   :func:`~megatron_muon.get_muon_optimizer` with a :class:`~megatron_muon.MuonConfig` made of
+   Megatron's ``OptimizerConfig`` (lr, weight decay, clipping, precision, timers...) plus the
+   ``--muon-*`` values, and the same ``config_overrides`` (standard and muP); anything else
+   goes to Megatron's function.
+
+Megatron-LM's own ``--muon-*`` flags are reused, not redefined; a value counts only when given
+on the command line, else MuonConfig's default applies (exact TP mode, Nesterov, 'moonlight'
+scale, momentum 0.95); their choices gain ours (``--muon-tp-mode exact``; Megatron's
+``distributed`` is exact too). Coefficient names are ours: ``quintic`` is Keller Jordan's set
+(Megatron's ``simple``); Megatron's ``quintic`` schedule is our ``megatron_quintic``.
+
+Checkpoints need ``--ckpt-format torch_dist`` (the default): Megatron-LM saves
+``optimizer.sharded_state_dict(model_sd, metadata=...)`` and loads with
+``optimizer.load_state_dict(loaded['optimizer'])`` (checkpointing.py:1341, 2573), which our
+optimizer accepts. Our state reshards across TP/PP/EP/DP, but Megatron-LM refuses a TP/PP
+change on load unless it was saved with ``--dist-ckpt-optim-fully-reshardable`` (a metadata
+label only). Megatron-LM's ``clip_qk`` after the step finds the logit recorders consumed by
+our QK-Clip, so it logs a max attention logit of 0 (``optimizer.max_attention_logit`` has it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import types
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from megatron_muon.config import SCALAR_OPTIMIZERS, SCALE_MODES, TP_MODES, MuonConfig
+from megatron_muon.factory import get_muon_optimizer
+
+from . import muon_args
+
+__all__ = ["use_megatron_muon", "add_muon_arguments", "muon_config_from_megatron", "check_supported"]
+
+IMPLS = ("megatron_muon", "megatron")
+UNSET = "megatron_muon_unset"
+"""Namespace attribute: fields whose Megatron-LM flag was not given (MuonConfig default applies)."""
+_OUR_CHOICES = {"muon_tp_mode": TP_MODES, "muon_scale_mode": SCALE_MODES, "muon_scalar_optimizer": SCALAR_OPTIMIZERS}
+_MEGATRON_CHOICES: Dict[str, Tuple[str, ...]] = {}
+"""Megatron-LM's own choices of the flags whose choices we extended."""
+
+
+class _RecordsGiven:
+    """Mixin for an existing argparse action: giving the option removes its dest from UNSET."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, UNSET, [n for n in getattr(namespace, UNSET, []) if n != self.dest])
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[misc]
+
+
+def add_muon_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--muon-impl`` and the ``--muon-*`` flags Megatron-LM lacks; returns ``parser``.
+
+    Usable as (or inside) Megatron-LM's ``extra_args_provider``; a second call is a no-op.
+    """
+    if "--muon-impl" in parser._option_string_actions:
+        return parser
+    fields = [f.name for f in muon_args.muon_fields()]
+    reused = sorted({a.dest for a in parser._actions} & set(fields))
+    muon_args.add_muon_arguments(parser, reuse_existing=True)
+    parser.add_argument_group("megatron_muon").add_argument(
+        "--muon-impl", choices=IMPLS, default="megatron_muon",
+        help="Which Muon --optimizer muon builds: 'megatron_muon' (exact distributed Muon, "
+        "megatron_muon.get_muon_optimizer; needs --use-distributed-optimizer) or 'megatron' "
+        "(Megatron-core's own). Default: megatron_muon.",
+    )
+    recording: Dict[type, type] = {}
+    for action in parser._actions:
+        if action.dest not in reused:
+            continue
+        cls = type(action)
+        if not issubclass(cls, _RecordsGiven):
+            action.__class__ = recording.setdefault(cls, type(cls.__name__, (_RecordsGiven, cls), {}))
+        if action.choices is not None and action.dest in _OUR_CHOICES:
+            _MEGATRON_CHOICES[action.dest] = tuple(action.choices)
+            action.choices = list(action.choices) + [c for c in _OUR_CHOICES[action.dest] if c not in action.choices]
+    missing = [f for f in set(fields) - set(muon_args.non_cli_fields()) if f not in {a.dest for a in parser._actions}]
+    if missing:
+        raise RuntimeError(f"megatron_muon: no command-line flag reaches MuonConfig fields {missing} (a flag clash?).")
+    parser.set_defaults(**{UNSET: reused})
+    return parser
+
+
+def muon_config_from_megatron(args: argparse.Namespace, base: Optional[Any] = None) -> MuonConfig:
+    """``MuonConfig`` from Megatron-LM's parsed arguments.
+
+    Non-Muon fields come from ``base`` (the ``OptimizerConfig`` Megatron-LM built) or, without
+    it, from ``args`` as Megatron's ``get_megatron_optimizer_config`` reads them; ``muon_*``
+    fields from the flags given, MuonConfig's defaults for Megatron-LM flags left unset.
+    """
+    from megatron.core.optimizer import OptimizerConfig
+
+    source = args if base is None else base
+    kw: Dict[str, Any] = {
+        f.name: getattr(source, f.name)
+        for f in dataclasses.fields(OptimizerConfig)
+        if f.init and not f.name.startswith("muon_") and hasattr(source, f.name)
+    }
+    unset = set(getattr(args, UNSET, ()))
+    kw.update({k: v for k, v in muon_args.muon_kwargs(args).items() if k not in unset})
+    kw.update(optimizer="muon", use_layer_wise_distributed_optimizer=False)
+    return MuonConfig(**kw)
+
+
+def _ours(args: argparse.Namespace) -> bool:
+    """Whether ``--optimizer muon`` (or ``dist_muon``) is meant for megatron_muon."""
+    return getattr(args, "optimizer", None) in ("muon", "dist_muon") and getattr(args, "muon_impl", None) == IMPLS[0]
+
+
+def check_supported(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` (naming the flag and the fix) for what megatron_muon cannot run."""
+    on = lambda name, default=False: getattr(args, name, default)  # noqa: E731
+    problems = [
+        (args.optimizer == "dist_muon", "--optimizer dist_muon is deprecated: use --optimizer muon "
+         "--use-distributed-optimizer"),
+        (not on("use_distributed_optimizer"), "needs --use-distributed-optimizer (its state is sharded "
+         "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon"),
+        (on("use_megatron_fsdp"), "does not support Megatron FSDP: drop --use-megatron-fsdp"),
+        (on("use_torch_fsdp2"), "does not support Torch FSDP2: drop --use-torch-fsdp2"),
+        (on("optimizer_cpu_offload"), "does not support --optimizer-cpu-offload: drop it"),
+        (on("use_precision_aware_optimizer"), "does not support --use-precision-aware-optimizer: drop it"),
+        (on("num_distributed_optimizer_instances", 1) != 1, "needs --num-distributed-optimizer-instances 1"),
+        (on("dump_param_to_param_group_map", None) is not None,
+         "does not support --dump-param-to-param-group-map: drop it"),
+        (any(on(k, None) for k in ("save", "load", "pretrained_checkpoint"))
+         and on("ckpt_format", "torch_dist") != "torch_dist",
+         f"saves and loads only --ckpt-format torch_dist (got {on('ckpt_format', None)!r}): use it"),
+    ]
+    for bad, why in problems:
+        if bad:
+            raise ValueError(f"megatron_muon (--optimizer muon --muon-impl megatron_muon) {why}.")
+
+
+def _check_megatron_choices(args: argparse.Namespace) -> None:
+    if getattr(args, "optimizer", None) not in ("muon", "dist_muon"):
+        return
+    for dest, allowed in _MEGATRON_CHOICES.items():
+        value = getattr(args, dest, None)
+        if value is not None and value not in allowed and dest not in getattr(args, UNSET, ()):
+            flag = muon_args.flag_name(dest)
+            raise ValueError(f"megatron_muon: {flag} {value} exists only with --muon-impl megatron_muon; "
+                             f"Megatron-core's Muon accepts {list(allowed)}.")
+
+
+def _wrap_add_megatron_arguments(original: Callable, module: Any) -> Callable:
+    return functools.wraps(original)(lambda parser, *a, **kw: add_muon_arguments(original(parser, *a, **kw)))
+
+
+def _wrap_validate_args(original: Callable, module: Any) -> Callable:
+    @functools.wraps(original)
+    def validate_args(args, *a, **kw):
+        if not _ours(args):
+            _check_megatron_choices(args)
+            return original(args, *a, **kw)
+        check_supported(args)
+        # Validate as Megatron's DistributedOptimizer (module docstring); validate_args ends by
+        # printing the arguments (arguments.py:1904), by then with optimizer='muon' again.
+        print_args = getattr(module, "_print_args", None)
+        args.optimizer = "adam"
+        if print_args is not None:
+            module._print_args = lambda *pa, **pkw: (setattr(args, "optimizer", "muon"), print_args(*pa, **pkw))
+        try:
+            result = original(args, *a, **kw)
+        finally:
+            args.optimizer = "muon"
+            if print_args is not None:
+                module._print_args = print_args
+        args.use_layer_wise_distributed_optimizer = False
+        if not args.use_distributed_optimizer:  # e.g. --freeze-all-layers switches it off
+            raise ValueError("megatron_muon: Megatron-LM's validation switched off --use-distributed-optimizer "
+                             "(--freeze-all-layers?), which --optimizer muon needs.")
+        muon_config_from_megatron(args)  # bad --muon-* values fail here, not at model setup
+        return result
+
+    return validate_args
+
+
+def _global_args(module: Any) -> Optional[argparse.Namespace]:
+    """Megatron-LM's global arguments, or None where they were never set."""
+    try:
+        return module.get_args()
+    except AssertionError:
+        return None
+
+
+def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def get_megatron_optimizer(config, model_chunks, *a, **kw):
+        args = _global_args(module) if getattr(config, "optimizer", None) == "muon" else None
+        if args is None or not _ours(args):
+            return original(config, model_chunks, *a, **kw)
+        if getattr(args, "use_layer_wise_distributed_optimizer", False) or not config.use_distributed_optimizer:
+            raise RuntimeError(
+                "megatron_muon: the arguments were validated without megatron_muon (LayerWise optimizer "
+                "selected); call use_megatron_muon() before parse_and_validate_args (--yaml-cfg is not supported).")
+        call = signature.bind(config, model_chunks, *a, **kw)
+        call.apply_defaults()
+        p = call.arguments
+        if p.get("dump_param_to_param_group_map") is not None:
+            raise ValueError("megatron_muon: --dump-param-to-param-group-map is not supported; drop it.")
+        return get_muon_optimizer(
+            muon_config_from_megatron(args, base=config), model_chunks,
+            pg_collection=p.get("pg_collection"), config_overrides=p.get("config_overrides"),
+            use_gloo_process_groups=p.get("use_gloo_process_groups", True),
+        )
+
+    return get_megatron_optimizer
+
+
+def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
+                      training_module: Optional[types.ModuleType] = None) -> Callable[[], None]:
+    """Install the three patches (see the module docstring); returns a function undoing them.
+
+    The modules default to ``megatron.training.arguments`` / ``megatron.training.training``.
+    Calling it again while installed changes nothing (and returns the same undo function).
+    """
+    if arguments_module is None or training_module is None:
+        import megatron.training.arguments as real_arguments
+        import megatron.training.training as real_training
+
+        arguments_module = arguments_module or real_arguments
+        training_module = training_module or real_training
+    existing = getattr(training_module.get_megatron_optimizer, "__megatron_muon_undo__", None)
+    if existing is not None:
+        return existing
+    patches: List[Tuple[Any, str, Callable, Callable]] = [
+        (module, name, getattr(module, name), wrap(getattr(module, name), module))
+        for module, name, wrap in (
+            (arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments),
+            (arguments_module, "validate_args", _wrap_validate_args),
+            (training_module, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
+        )
+    ]
+
+    def undo() -> None:
+        """Restore Megatron-LM's functions (those still carrying our wrapper)."""
+        for module, name, original, wrapper in patches:
+            if getattr(module, name) is wrapper:
+                setattr(module, name, original)
+
+    for module, name, _, wrapper in patches:
+        wrapper.__megatron_muon_undo__ = undo  # type: ignore[attr-defined]
+        setattr(module, name, wrapper)
+    return undo
