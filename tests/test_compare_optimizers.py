@@ -1,0 +1,79 @@
+"""``tools/compare_optimizers.py``: AdamW against Muon on one recipe.
+
+End to end (a few iterations of tiny_gqa, CPU subprocesses): the PNG, markdown and JSON
+are written and the table has both optimizers. Unit tests: the interpolated "iterations to
+reach AdamW's final validation loss", the metrics-file reader and the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.compare_optimizers import iterations_to_reach, read_metrics, summarize, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+def test_compare_tiny_gqa(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # CPU everywhere, as the other driver tests
+    # --adam-lr below the recipe's min-lr (0.001): the tool lowers AdamW's min-lr to match.
+    cmd = [sys.executable, str(ROOT / "tools" / "compare_optimizers.py"), "--recipe", "tiny_gqa", "--out", str(out),
+           "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1", "--adam-lr", "0.0005",
+           "--data-cache-path", str(tmp_path / "cache"), "--keep-runs", "--", "--seed", "7"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| AdamW |" in proc.stdout and "| Muon |" in proc.stdout
+    png = (out / "loss_curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    md = (out / "compare.md").read_text()
+    assert "| AdamW | 0.0005 |" in md and "| Muon | 0.01 |" in md and "loss_curves.png" in md
+    assert "--optimizer adam" in md and "--optimizer muon" in md and "--seed 7" in md
+    data = json.loads((out / "compare.json").read_text())
+    assert set(data["summary"]) == {"adam", "muon"}
+    for opt, s in data["summary"].items():
+        assert s["iterations"] == 6 and s["tokens_per_s"] > 0
+        assert [it for it, _ in data["curves"][opt]["valid"]] == [0, 3, 6]
+        assert len(data["curves"][opt]["train"]) == 6
+    assert data["target_valid_loss"] == data["summary"]["adam"]["final_valid_loss"]
+    assert data["summary"]["adam"]["iters_to_adam_final_valid"] is not None  # AdamW reaches its own final loss
+    assert (out / "runs" / "adam.log").is_file() and (out / "runs" / "muon.jsonl").is_file()
+
+
+def test_iterations_to_reach_interpolates():
+    valid = [(0, 6.0), (10, 4.0), (20, 3.0), (30, 2.5)]
+    assert iterations_to_reach(valid, 3.5) == pytest.approx(15.0)  # halfway between 4.0 at 10 and 3.0 at 20
+    assert iterations_to_reach(valid, 3.0) == pytest.approx(20.0)  # met exactly at an evaluation
+    assert iterations_to_reach(valid, 6.5) == 0.0  # already there at the first evaluation
+    assert iterations_to_reach(valid, 2.0) is None  # never reached
+    # The first crossing counts, even if the loss rises again afterwards.
+    assert iterations_to_reach([(0, 5.0), (10, 3.0), (20, 4.0), (30, 2.0)], 4.0) == pytest.approx(5.0)
+
+
+def test_read_metrics_summarize_and_table(tmp_path):
+    rows = [{"iteration": 0, "split": "validation", "lm loss": 6.0}]
+    rows += [{"iteration": i, "skipped": False, "lm loss": 6.0 - 0.1 * i, "lr": 0.01 * min(i, 2) / 2}
+             for i in range(1, 13)]
+    rows += [{"iteration": 12, "skipped": True, "lm loss": float("nan"), "lr": 0.01},  # skipped: left out
+             {"iteration": 12, "split": "validation", "lm loss": 5.0},
+             {"iteration": 12, "split": "validation (end of training)", "lm loss": 5.0},  # same point again
+             {"iteration": 12, "split": "test (end of training)", "lm loss": 1.0}]
+    path = tmp_path / "m.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    train, valid, peak_lr = read_metrics(path)
+    assert [it for it, _ in train] == list(range(1, 13)) and valid == [(0, 6.0), (12, 5.0)] and peak_lr == 0.01
+    s = summarize(train, valid, [100.0, 300.0, 200.0], target=5.5, peak_lr=peak_lr)
+    assert s["final_train_loss"] == pytest.approx(6.0 - 0.1 * 7.5)  # mean of iterations 3..12
+    assert s["final_valid_loss"] == s["best_valid_loss"] == 5.0 and s["tokens_per_s"] == 200.0
+    assert s["iters_to_adam_final_valid"] == pytest.approx(6.0)
+    never = dict(s, iters_to_adam_final_valid=None)
+    text = table({"adam": s, "muon": never}, eval_interval=12)
+    assert "| AdamW | 0.01 | 5.2500 | 5.0000 | 5.0000 | 200 | 6 of 12 |" in text
+    assert "| Muon |" in text and "not reached" in text and "every 12 iterations" in text
