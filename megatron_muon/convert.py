@@ -17,6 +17,7 @@ import fnmatch
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -314,10 +315,18 @@ def experts_state_dict(state: Dict[str, torch.Tensor], to: str, num_experts: Opt
     raise ValueError(f"experts conversion target must be 'sequential' or 'legacy_grouped', not {to!r}")
 
 
+def _print_to_pipe(text: str) -> None:
+    """Print; a reader that stops early (``| head``) ends the output quietly, as in Unix tools."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Python would report the broken pipe again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Command line of ``tools/convert_checkpoint.py``."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -363,7 +372,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             os.replace(tmp, args.dst)
             print(f"wrote {args.dst}")
         else:
-            print(inspect(args.path))
+            _print_to_pipe(inspect(args.path))
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e

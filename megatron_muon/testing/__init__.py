@@ -1,7 +1,7 @@
 """Run real Megatron-core models on the CPU with gloo: for our tests and for laptop debugging.
 
 Importing this package changes nothing; ``install_cpu_patches()`` (called for you in every
-rank that ``run_distributed`` spawns) applies the CPU stand-ins.
+rank that ``run_distributed`` starts) applies the CPU stand-ins.
 """
 
 from .cpu import cpu_patches, install_cpu_patches, patches_installed, uninstall_cpu_patches

@@ -8,7 +8,7 @@ transformer-engine/Apex (torch AdamW's per-param ``step`` breaks loading a resha
 distributed-optimizer checkpoint). ``install_cpu_patches()`` replaces exactly those
 with CPU stand-ins, process-wide, so that a real ``GPTModel`` trains with TP/PP/EP/DP
 over gloo on a laptop. Nothing here is applied on import: call it explicitly (the
-multi-rank launcher does, in each spawned rank).
+multi-rank launcher does, in each rank it starts).
 
 Checked against megatron-core 0.19.2 and torch 2.11 (the CUDA build, run without a GPU).
 """
