@@ -158,6 +158,13 @@ def _raise_on_last_rank() -> int:
 # ---------------------------------------------------------------------------------------
 
 
+def _rank_environment() -> tuple:
+    """What a rank sees of the caller's environment and of the CPU patches."""
+    import os
+
+    return os.environ.get("MEGATRON_MUON_PROBE"), torch.cuda.current_device(), torch.distributed.get_rank()
+
+
 def _assert_losses_close(losses: List[float], ref: List[float], what: str) -> None:
     assert len(losses) == len(ref) == STEPS
     for step, (a, b) in enumerate(zip(losses, ref)):
@@ -322,6 +329,15 @@ def test_raising_rank_reports_its_traceback():
     assert "Traceback (most recent call last)" in text
     assert "in _raise_on_last_rank" in text
     assert "ValueError: deliberate failure on rank 1" in text
+
+
+@pytest.mark.timeout(120)
+def test_ranks_see_the_callers_environment_now(monkeypatch):
+    """Ranks fork from a long-lived forkserver; each must still get the caller's current
+    environment (as a spawned rank would) and its own patches, and a second run must too."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("MEGATRON_MUON_PROBE", value)
+        assert run_distributed(_rank_environment, 2) == [(value, "cpu", 0), (value, "cpu", 1)]
 
 
 _IMPORT_PROBE = textwrap.dedent(
