@@ -7,9 +7,13 @@ logical matrix becomes a ``Job`` owned by exactly one rank of that group. The ow
 receives the matrix's pieces (``sources``), runs Newton–Schulz, and sends each piece of
 the update back to the rank that holds it (``dests``).
 
-Owners are assigned greedily to the least-loaded allowed rank, largest Newton–Schulz
-cost first within each chunk (Graham's list scheduling): at every point every rank's
-load is within one matrix's cost of every other rank's. Jobs are cut into chunks of
+Owners are assigned greedily, largest Newton–Schulz cost first within each chunk (Graham's
+list scheduling), with one twist for traffic: a job may go to any allowed rank whose load
+after taking it stays under the current maximum load (or under what the least-loaded rank
+would reach), and among those to the rank that already holds most of the matrix, whose own
+pieces then never cross the wire. Both rules keep every rank's load within one matrix's
+cost of every other rank's, and neither raises the maximum load above list scheduling's at
+that point. Jobs are cut into chunks of
 about ``muon_chunk_numel`` elements so that the pipeline can overlap one chunk's
 communication with another's compute. Everything here is computed once, from the local
 model structure (which is identical on every rank of a group), and cached.
@@ -182,7 +186,7 @@ def make_jobs(
 
 
 def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple[List[Chunk], List[int]]:
-    """Cut jobs into chunks and give every job an owner (least-loaded allowed rank)."""
+    """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free)."""
     chunks: List[Chunk] = []
     current: List[Job] = []
     size = 0
@@ -201,10 +205,23 @@ def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple
             allowed = [
                 r for r in range(group.size) if job.owner_tp is None or group.coords[r][0] == job.owner_tp
             ]
-            owner = min(allowed, key=lambda r: (loads[r], r))
+            least = min(loads[r] for r in allowed)
+            ceiling = max(max(loads[r] for r in allowed), least + job.flops)
+            fits = [r for r in allowed if loads[r] + job.flops <= ceiling]
+            held = _held_elements(job, group)
+            owner = min(fits, key=lambda r: (-held.get(r, 0), loads[r], r))
             job.owner = owner
             loads[owner] += job.flops
     return chunks, loads
+
+
+def _held_elements(job: Job, group: OrthoGroup) -> Dict[int, int]:
+    """Elements of ``job``'s matrix (pieces read plus pieces written) each group rank holds."""
+    held: Dict[int, int] = {}
+    for seg in job.sources + job.dests:
+        r = group.rank_of(seg.tp, seg.dp)
+        held[r] = held.get(r, 0) + seg.numel
+    return held
 
 
 def build_plan(

@@ -218,7 +218,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="accepted for run_all; the trace is always small")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--hidden", type=int, default=128, help="hidden size (bigger: longer transfers)")
-    p.add_argument("--chunk-numel", type=int, default=16384, help="muon_chunk_numel of the dense pipeline")
+    p.add_argument("--chunk-numel", type=int, default=32768,
+                   help="muon_chunk_numel of the dense pipeline (default: chunk 0 then has pieces to move)")
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="overlap_trace")
     return p.parse_args(argv)
