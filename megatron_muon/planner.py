@@ -7,13 +7,11 @@ logical matrix becomes a ``Job`` owned by exactly one rank of that group. The ow
 receives the matrix's pieces (``sources``), runs Newton–Schulz, and sends each piece of
 the update back to the rank that holds it (``dests``).
 
-Owners are assigned greedily, largest Newton–Schulz cost first within each chunk (Graham's
-list scheduling), with one twist for traffic: a job may go to any allowed rank whose load
-after taking it stays under the current maximum load (or under what the least-loaded rank
-would reach), and among those to the rank that already holds most of the matrix, whose own
-pieces then never cross the wire. Both rules keep every rank's load within one matrix's
-cost of every other rank's, and neither raises the maximum load above list scheduling's at
-that point. Jobs are cut into chunks of
+Owners are assigned in two passes, largest Newton–Schulz cost first within each chunk.
+First every job goes to the rank that already holds most of the matrix (whose own pieces
+then never cross the wire) as long as that rank stays at or under the mean load; then the
+rest go to the least-loaded rank (Graham's list scheduling). Every rank's load ends within
+one matrix's cost of every other rank's. Jobs are cut into chunks of
 about ``muon_chunk_numel`` elements so that the pipeline can overlap one chunk's
 communication with another's compute. Everything here is computed once, from the local
 model structure (which is identical on every rank of a group), and cached.
@@ -200,18 +198,27 @@ def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple
         chunks.append(Chunk(len(chunks), current))
 
     loads = [0] * group.size
-    for chunk in chunks:
-        for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)):
-            allowed = [
-                r for r in range(group.size) if job.owner_tp is None or group.coords[r][0] == job.owner_tp
-            ]
-            least = min(loads[r] for r in allowed)
-            ceiling = max(max(loads[r] for r in allowed), least + job.flops)
-            fits = [r for r in allowed if loads[r] + job.flops <= ceiling]
-            held = _held_elements(job, group)
-            owner = min(fits, key=lambda r: (-held.get(r, 0), loads[r], r))
-            job.owner = owner
-            loads[owner] += job.flops
+    allowed = {
+        job.index: [r for r in range(group.size) if job.owner_tp is None or group.coords[r][0] == job.owner_tp]
+        for job in jobs
+    }
+    order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index))]
+    # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
+    #    at or under the mean load.
+    mean = sum(job.flops for job in jobs) / max(group.size, 1)
+    for job in order:
+        held = _held_elements(job, group)
+        holder = min(allowed[job.index], key=lambda r: (-held.get(r, 0), loads[r], r))
+        if held.get(holder, 0) > 0 and loads[holder] + job.flops <= mean:
+            job.owner = holder
+            loads[holder] += job.flops
+    # 2. The rest by list scheduling: the least-loaded allowed rank. A rank that ends highest
+    #    either took its last job here as the least loaded, or stayed at or under the mean:
+    #    both keep every rank within one job's cost of every other.
+    for job in order:
+        if job.owner < 0:
+            job.owner = min(allowed[job.index], key=lambda r: (loads[r], r))
+            loads[job.owner] += job.flops
     return chunks, loads
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Evidence of the overlap: a timeline of one MoE optimizer step, exported as a PNG.
 
-A tiny MoE GPT on 2 ranks with expert parallelism 2 (gloo on the CPU; NCCL under
+A tiny MoE GPT on 2 ranks, dense weights TP2 and experts EP2 (gloo on the CPU; NCCL under
 ``torchrun`` on GPUs). With ``muon_overlap_expert_ns`` the dense pipeline launches its
 first all-to-all gathers and, before waiting for them, runs the expert optimizer's step
 (its stacked per-expert Newton–Schulz); only then does it wait for chunk 0's pieces.
@@ -205,7 +205,7 @@ def markdown(data: Dict[str, Any]) -> str:
          "gather 0 still in flight at expert NS start"], rows)
     return (
         f"Tiny MoE GPT (2 layers, 4 experts top-2, hidden {data['model_spec']['hidden_size']}, expert ffn "
-        f"{data['model_spec']['moe_ffn_hidden_size']}), EP2 on 2 ranks, dense pipeline chunks of about "
+        f"{data['model_spec']['moe_ffn_hidden_size']}), dense TP2 with sequence parallelism and experts EP2 on 2 ranks, dense pipeline chunks of about "
         f"{data['chunk_numel']} elements. "
         "Times in ms from the start of `optimizer.step()`.\n\n"
         f"{common.provenance(data['env'])}\n\n{table}\n"
@@ -218,8 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="accepted for run_all; the trace is always small")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--hidden", type=int, default=128, help="hidden size (bigger: longer transfers)")
-    p.add_argument("--chunk-numel", type=int, default=32768,
-                   help="muon_chunk_numel of the dense pipeline (default: chunk 0 then has pieces to move)")
+    p.add_argument("--chunk-numel", type=int, default=16384, help="muon_chunk_numel of the dense pipeline")
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="overlap_trace")
     return p.parse_args(argv)
@@ -228,8 +227,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     device = common.pick_device(args.device)
-    spec = dict(hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden, moe_ffn_hidden_size=args.hidden)
-    ranks = common.launch(rank_main, 2, spec, args.chunk_numel, device=device, ep=2)
+    spec = dict(hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden, moe_ffn_hidden_size=args.hidden,
+                sequence_parallel=True)
+    # Dense weights TP2, experts EP2 x expert-TP1 (Megatron's MoE parallel folding): every dense
+    # matrix is split over both ranks, so the dense pipeline's gathers always carry pieces (with
+    # DP only, the planner keeps whole matrices where they are and chunk 0 may move nothing).
+    ranks = common.launch(rank_main, 2, spec, args.chunk_numel, device=device, tp=2, ep=2, etp=1)
     for r in ranks:
         r["evidence"] = {mode: evidence(r[mode]) for mode in ("overlap", "sequential")}
     data = dict(env=common.environment(device), model_spec=spec, chunk_numel=args.chunk_numel,
