@@ -55,6 +55,10 @@ class _ChunkComm:
     scatter_recv_splits: List[int] = field(default_factory=list)
     scatter_apply: List[Tuple[int, int, int, int]] = field(default_factory=list)
     """(param_index, local_start, local_end, recv_offset)."""
+    gather_remote: bool = True
+    scatter_remote: bool = True
+    """Whether any rank of the group sends anything in this chunk's gather / scatter (the
+    same answer on every rank: it comes from the shared plan). If not, no collective runs."""
 
 
 @dataclass
@@ -108,6 +112,8 @@ class MuonPipeline:
         owned = [job for job in chunk.jobs if job.owner == me]
         pos = {job.index: i for i, job in enumerate(owned)}
         comm = _ChunkComm(chunk=chunk, owned=owned)
+        comm.gather_remote = any(g.rank_of(s.tp, s.dp) != job.owner for job in chunk.jobs for s in job.sources)
+        comm.scatter_remote = any(g.rank_of(s.tp, s.dp) != job.owner for job in chunk.jobs for s in job.dests)
         send: List[list] = [[] for _ in range(g.size)]
         recv: List[list] = [[] for _ in range(g.size)]
         for job in chunk.jobs:
@@ -153,10 +159,13 @@ class MuonPipeline:
         return job.param_index, seg.start - base, seg.end - base
 
     # ---------------------------------------------------------------- stages
-    def _exchange(self, kind: str, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> _Pending:
+    def _exchange(
+        self, kind: str, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], remote: bool
+    ) -> _Pending:
         g = self.group
         self.traffic[kind] += (sum(send_splits) - send_splits[g.rank]) * send.element_size()
-        if g.size == 1:
+        if g.size == 1 or not remote:
+            # Everything stays on its rank, in the same order it would arrive in.
             return _Pending(send, None)
         recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=g.group, async_op=True)
@@ -166,7 +175,9 @@ class MuonPipeline:
         self._event("launch_gather", comm)
         parts = [inputs[p][s:e] for p, s, e in comm.gather_send]
         send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
-        return self._exchange("muon_gather", send, comm.gather_send_splits, comm.gather_recv_splits)
+        return self._exchange(
+            "muon_gather", send, comm.gather_send_splits, comm.gather_recv_splits, comm.gather_remote
+        )
 
     def complete_gather(self, comm: _ChunkComm, pending: _Pending) -> List[List[torch.Tensor]]:
         """Wait for the pieces; return, per owned job, its Newton–Schulz inputs (fp32)."""
@@ -216,7 +227,9 @@ class MuonPipeline:
         flat_pieces = [self._split_pieces(job, out) for job, out in zip(comm.owned, outputs)]
         parts = [flat_pieces[j][tp][o : o + n] for j, tp, o, n in comm.scatter_send]
         send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
-        return self._exchange("muon_scatter", send, comm.scatter_send_splits, comm.scatter_recv_splits)
+        return self._exchange(
+            "muon_scatter", send, comm.scatter_send_splits, comm.scatter_recv_splits, comm.scatter_remote
+        )
 
     @staticmethod
     def _split_pieces(job: Job, outs: List[torch.Tensor]) -> Dict[int, torch.Tensor]:

@@ -78,10 +78,13 @@ def test_tp_modes():
         expected_full = -ns(full_grad)
         for t, r in enumerate(ranks):
             local_expected = expected_full if dim is None else expected_full.chunk(2, dim=dim)[t]
+            # fp32 Newton–Schulz batched with other matrices on the owner vs alone here: the
+            # matmuls round differently (and differently per CPU kernel), ~1e-6 on updates of
+            # size ~0.1; blockwise vs exact differs by ~1e-1.
             for mode in ("exact", "duplicated"):
-                torch.testing.assert_close(r[mode][name][1], local_expected, rtol=1e-4, atol=1e-6)
+                torch.testing.assert_close(r[mode][name][1], local_expected, rtol=1e-4, atol=1e-5)
             grad, change, _ = r["blockwise"][name]
-            torch.testing.assert_close(change, -ns(grad), rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(change, -ns(grad), rtol=1e-4, atol=1e-5)
             if dim is not None and (change - local_expected).abs().max() > 1e-3:
                 blockwise_differs = True
     assert blockwise_differs, "blockwise should differ from exact on TP-sharded matrices"

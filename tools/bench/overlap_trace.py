@@ -56,9 +56,9 @@ def timed_pipeline(spans: List[Dict[str, Any]], flights: List[Dict[str, Any]]) -
 
         return timed
 
-    def exchange(self, kind, send, send_splits, recv_splits):
+    def exchange(self, kind, send, send_splits, recv_splits, *rest):
         launched = time.perf_counter()
-        pending = originals["_exchange"](self, kind, send, send_splits, recv_splits)
+        pending = originals["_exchange"](self, kind, send, send_splits, recv_splits, *rest)
         flight = dict(pipeline=self.name, kind=kind, launched=launched, completed=None,
                       bytes=(sum(send_splits) - send_splits[self.group.rank]) * send.element_size())
         flights.append(flight)
