@@ -106,6 +106,11 @@ def standin_modules():
         calls.append(("megatron", config.optimizer))
         return "megatron's"
 
+    def clip_qk(model, log_max_only=False):
+        calls.append(("megatron clip_qk", log_max_only))
+        return 0
+
+    training.clip_qk = clip_qk
     arguments.add_megatron_arguments, arguments.validate_args = add_megatron_like_arguments, validate_args
     arguments._print_args = lambda title, args: calls.append(("print", args.optimizer))
     training.get_megatron_optimizer = get_megatron_optimizer
@@ -121,13 +126,16 @@ def test_patches_install_route_and_uninstall(monkeypatch):
     from megatron.core.optimizer import OptimizerConfig
 
     arguments, training, calls = standin_modules()
-    originals = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer)
+    originals = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer,
+                 training.clip_qk)
     undo = I.use_megatron_muon(arguments, training)
+    assert training.clip_qk([]) == 0 and calls[-1] == ("megatron clip_qk", False)  # nothing of ours built yet
     assert I.use_megatron_muon(arguments, training) is undo  # installed once
     assert all(getattr(f, "__megatron_muon_undo__", None) is undo for f in
                (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer))
     built = {}
-    monkeypatch.setattr(I, "get_muon_optimizer", lambda cfg, chunks, **kw: built.update(cfg=cfg, **kw) or "ours")
+    ours = types.SimpleNamespace(qk_clip=object(), max_attention_logit=12.5)
+    monkeypatch.setattr(I, "get_muon_optimizer", lambda cfg, chunks, **kw: built.update(cfg=cfg, **kw) or ours)
 
     args = standin_parse(arguments, "--optimizer", "muon", "--use-distributed-optimizer", "--lr", "0.1")
     arguments.validate_args(args)  # validated as the DistributedOptimizer, printed as muon
@@ -137,7 +145,10 @@ def test_patches_install_route_and_uninstall(monkeypatch):
     training.args = args
     config = OptimizerConfig(optimizer="muon", lr=0.1, use_distributed_optimizer=True)
     opt = training.get_megatron_optimizer(config, [], config_overrides={"k": 1}, use_gloo_process_groups=False)
-    assert opt == "ours"
+    assert opt is ours
+    # Megatron-LM's train_step calls clip_qk after our step: ours already clipped; report only.
+    n_calls = len(calls)
+    assert training.clip_qk([], log_max_only=False) == 12.5 and len(calls) == n_calls
     assert built["cfg"].lr == 0.1 and built["cfg"].muon_tp_mode == "exact"
     assert built["config_overrides"] == {"k": 1} and built["use_gloo_process_groups"] is False
     with pytest.raises(ValueError, match="--dump-param-to-param-group-map"):
@@ -155,7 +166,8 @@ def test_patches_install_route_and_uninstall(monkeypatch):
     assert training.get_megatron_optimizer(config, []) == "megatron's"  # no Megatron-LM arguments: theirs
 
     undo()
-    assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer) == originals
+    assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer,
+            training.clip_qk) == originals
     assert not hasattr(standin_parse(arguments), "muon_impl")
 
 

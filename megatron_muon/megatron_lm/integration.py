@@ -8,7 +8,7 @@ With a Megatron-LM checkout, add two lines to its ``pretrain_gpt.py`` anywhere b
 
 and launch as before with ``--optimizer muon --use-distributed-optimizer`` and any ``--muon-*``
 flags (``--help`` lists them); ``--muon-impl megatron`` selects Megatron-core's own Muon.
-Three module globals are wrapped, each looked up by Megatron-LM at call time (line numbers:
+Four module globals are wrapped, each looked up by Megatron-LM at call time (line numbers:
 Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0.19.2 ships):
 
 1. ``megatron.training.arguments.add_megatron_arguments`` (``parse_args`` builds its parser
@@ -27,6 +27,12 @@ Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0
    ``--muon-*`` values, and the same ``config_overrides`` (standard and muP); anything else
    goes to Megatron's function.
 
+4. ``megatron.training.training.clip_qk`` (imported at training.py:85, called after
+   ``optimizer.step()`` at :2480 with ``--qk-clip`` or ``--log-max-attention-logit``): once our
+   optimizer is built, our step has already gathered the max logits, clipped on the master
+   weights and reset the recorders, so the wrapper returns our step's max logit for Megatron's
+   log line instead of clipping again; otherwise Megatron's function runs.
+
 Megatron-LM's own ``--muon-*`` flags are reused, not redefined; a value counts only when given
 on the command line, else MuonConfig's default applies (exact TP mode, Nesterov, 'moonlight'
 scale, momentum 0.95); their choices gain ours (``--muon-tp-mode exact``; Megatron's
@@ -38,9 +44,7 @@ Checkpoints need ``--ckpt-format torch_dist`` (the default): Megatron-LM saves
 ``optimizer.load_state_dict(loaded['optimizer'])`` (checkpointing.py:1341, 2573), which our
 optimizer accepts. Our state reshards across TP/PP/EP/DP, but Megatron-LM refuses a TP/PP
 change on load unless it was saved with ``--dist-ckpt-optim-fully-reshardable`` (a metadata
-label only). Megatron-LM's ``clip_qk`` after the step finds the logit recorders consumed by
-our QK-Clip, so it logs a max attention logit of 0 (``optimizer.max_attention_logit`` has it).
-"""
+label only). """
 
 from __future__ import annotations
 
@@ -209,6 +213,22 @@ def _global_args(module: Any) -> Optional[argparse.Namespace]:
         return None
 
 
+_BUILT: Dict[str, Any] = {}
+"""The optimizer our ``get_megatron_optimizer`` wrapper built last (for ``clip_qk``)."""
+
+
+def _wrap_clip_qk(original: Callable, module: Any) -> Callable:
+    @functools.wraps(original)
+    def clip_qk(model, log_max_only=False):
+        optimizer = _BUILT.get("optimizer")
+        if optimizer is None or getattr(optimizer, "qk_clip", None) is None:
+            return original(model, log_max_only=log_max_only)
+        # Already done inside our step, on the fp32 master shards: report, do not clip twice.
+        return optimizer.max_attention_logit
+
+    return clip_qk
+
+
 def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
     signature = inspect.signature(original)
 
@@ -226,18 +246,20 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
         p = call.arguments
         if p.get("dump_param_to_param_group_map") is not None:
             raise ValueError("megatron_muon: --dump-param-to-param-group-map is not supported; drop it.")
-        return get_muon_optimizer(
+        optimizer = get_muon_optimizer(
             muon_config_from_megatron(args, base=config), model_chunks,
             pg_collection=p.get("pg_collection"), config_overrides=p.get("config_overrides"),
             use_gloo_process_groups=p.get("use_gloo_process_groups", True),
         )
+        _BUILT["optimizer"] = optimizer
+        return optimizer
 
     return get_megatron_optimizer
 
 
 def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
                       training_module: Optional[types.ModuleType] = None) -> Callable[[], None]:
-    """Install the three patches (see the module docstring); returns a function undoing them.
+    """Install the patches (see the module docstring); returns a function undoing them.
 
     The modules default to ``megatron.training.arguments`` / ``megatron.training.training``.
     Calling it again while installed changes nothing (and returns the same undo function).
@@ -257,7 +279,9 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
             (arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments),
             (arguments_module, "validate_args", _wrap_validate_args),
             (training_module, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
+            (training_module, "clip_qk", _wrap_clip_qk),
         )
+        if hasattr(module, name)
     ]
 
     def undo() -> None:
@@ -265,6 +289,7 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
         for module, name, original, wrapper in patches:
             if getattr(module, name) is wrapper:
                 setattr(module, name, original)
+        _BUILT.clear()
 
     for module, name, _, wrapper in patches:
         wrapper.__megatron_muon_undo__ = undo  # type: ignore[attr-defined]
