@@ -262,7 +262,8 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     I.use_megatron_muon()
     args = _parse_and_validate(arguments, ARGV)
     global_vars.set_args(args)
-    spec = M.TinyModelSpec()
+    # QK-Clip on, with a threshold low enough that heads get clipped every step.
+    spec = M.TinyModelSpec(extra=dict(qk_clip=True, qk_clip_threshold=0.04))
     batches = M.synthetic_batches(spec, 4, 3)
     chunks, ref_chunks = M.build_model_chunks(spec), M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
@@ -278,8 +279,11 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     ref_model = M.wrap_ddp(ref_chunks, ref_chunks[0].config)
     ref_opt = get_muon_optimizer(I.muon_config_from_megatron(args, base=config), ref_model)
     initial = M.gather_canonical_state(chunks)
+    logged = []
     for tokens in batches[:2]:
         assert M.train_step(model, opt, tokens, 1, spec)[1] and M.train_step(ref_model, ref_opt, tokens, 1, spec)[1]
+        # What Megatron-LM's train_step does after optimizer.step() with --qk-clip (training.py:2480).
+        logged.append((training.clip_qk(model, log_max_only=False), opt.max_attention_logit))
     moved = _max_rel_diff(M.gather_canonical_state(chunks), initial)
     vs_direct = _max_rel_diff(M.gather_canonical_state(chunks), M.gather_canonical_state(ref_chunks))
 
@@ -300,7 +304,7 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     steps_after_load = opt.num_steps
     M.train_step(model, opt, batches[2], 1, spec)
     resumed = _max_rel_diff(M.gather_canonical_state(chunks), continued)
-    return dict(moved=moved, vs_direct=vs_direct, resumed=resumed, steps_after_load=steps_after_load)
+    return dict(moved=moved, vs_direct=vs_direct, resumed=resumed, steps_after_load=steps_after_load, logged=logged)
 
 
 @pytest.mark.timeout(600)
@@ -310,5 +314,6 @@ def test_megatron_lm_builds_trains_and_checkpoints_our_optimizer(megatron_lm, tm
     results = run_distributed(_through_megatron_lm, 2, str(tmp_path))
     for r in results:
         assert r["moved"] > 1e-3, r
-        assert r["vs_direct"] < 1e-6, r  # Megatron-LM's DDP layout changes nothing
+        assert r["vs_direct"] < 1e-6, r  # Megatron-LM's DDP layout and its clip_qk call change nothing
+        assert all(reported == ours > 0.04 for reported, ours in r["logged"]), r["logged"]  # clipped, reported
         assert r["steps_after_load"] == 2 and r["resumed"] < 1e-6, r
