@@ -58,15 +58,27 @@ def gpt_layer_spec(
         normalization=normalization,
     )
     spec.submodules.self_attention.submodules.core_attention = RecordingDotProductAttention
-    if multi_latent_attention:
-        # Megatron's MLASelfAttention with ColumnParallelLinear down projections (the only
-        # ones it accepts without TE) never reduces the shared rope key's gradient over TP
-        # ranks, and (without sequence parallelism) gets q_layernorm's gradient summed over
-        # TP twice. Same modules and parameters, the TP gradient reductions corrected; a
-        # no-op at TP = 1.
-        spec.submodules.self_attention.module = TensorParallelMLASelfAttention
+    use_tensor_parallel_mla(spec)
     use_sequence_parallel_norms(spec)
     return spec
+
+
+def use_tensor_parallel_mla(spec) -> None:
+    """Swap Megatron's ``MLASelfAttention`` for ``TensorParallelMLASelfAttention`` in a layer
+    spec or in every layer of a block spec (local specs; TE's attention is left alone).
+
+    Megatron's MLASelfAttention with ColumnParallelLinear down projections (the only ones it
+    accepts without TE) never reduces the shared rope key's gradient over TP ranks, and
+    (without sequence parallelism) gets q_layernorm's gradient summed over TP twice. Same
+    modules and parameters, the TP gradient reductions corrected; a no-op at TP = 1.
+    """
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    layers = getattr(spec, "layer_specs", None)
+    for layer in layers if layers is not None else [spec]:
+        attention = layer.submodules.self_attention
+        if attention.module is MLASelfAttention:
+            attention.module = TensorParallelMLASelfAttention
 
 
 def gpt_block_spec(config, layer_spec, vp_stage: Optional[int] = None):

@@ -111,14 +111,13 @@ class MuonPipeline:
         me = g.rank
         owned = [job for job in chunk.jobs if job.owner == me]
         pos = {job.index: i for i, job in enumerate(owned)}
-        comm = _ChunkComm(chunk=chunk, owned=owned)
-        comm.gather_remote = any(g.rank_of(s.tp, s.dp) != job.owner for job in chunk.jobs for s in job.sources)
-        comm.scatter_remote = any(g.rank_of(s.tp, s.dp) != job.owner for job in chunk.jobs for s in job.dests)
+        comm = _ChunkComm(chunk=chunk, owned=owned, gather_remote=False, scatter_remote=False)
         send: List[list] = [[] for _ in range(g.size)]
         recv: List[list] = [[] for _ in range(g.size)]
         for job in chunk.jobs:
             for seg in job.sources:
                 holder = g.rank_of(seg.tp, seg.dp)
+                comm.gather_remote |= holder != job.owner
                 if holder == me:
                     send[job.owner].append(self._local(job, seg))
                 if job.owner == me:
@@ -137,6 +136,7 @@ class MuonPipeline:
         for job in chunk.jobs:
             for seg in job.dests:
                 holder = g.rank_of(seg.tp, seg.dp)
+                comm.scatter_remote |= holder != job.owner
                 if job.owner == me:
                     out[holder].append((pos[job.index], seg.tp, seg.piece_offset, seg.numel))
                 if holder == me:

@@ -97,20 +97,6 @@ def _set_core_attention(spec: Any, cls: type) -> None:
         layer.submodules.self_attention.submodules.core_attention = cls
 
 
-def _use_tp_exact_mla(spec: Any) -> None:
-    """Megatron's local-spec ``MLASelfAttention`` computes wrong gradients at TP > 1 (the
-    shared rope key's gradient is never reduced over TP; without sequence parallelism the
-    q_layernorm gradient is summed over TP twice): use megatron_muon's corrected subclass."""
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    cls = importlib.import_module("megatron_muon.attention").TensorParallelMLASelfAttention
-    layer_specs = getattr(spec, "layer_specs", None)
-    for layer in layer_specs if layer_specs is not None else [spec]:
-        attention = layer.submodules.self_attention
-        if attention.module is MLASelfAttention:
-            attention.module = cls
-
-
 def layer_spec(args: argparse.Namespace, config, vp_stage=None):
     """The layer spec; a block spec of dense / MoE layers with ``--num-experts``, and with
     sequence parallelism on the local (torch) implementation, whose norms it replaces."""
@@ -135,7 +121,10 @@ def layer_spec(args: argparse.Namespace, config, vp_stage=None):
     if needs_own_attention(args):
         _set_core_attention(spec, core_attention_class())
     if not te and args.multi_latent_attention:
-        _use_tp_exact_mla(spec)
+        # Megatron's local MLA gets TP > 1 gradients wrong (see the corrected class).
+        from megatron_muon.layer_specs import use_tensor_parallel_mla
+
+        use_tensor_parallel_mla(spec)
     if sp_norms:
         _use_sequence_parallel_norms(spec)
     return spec

@@ -263,13 +263,6 @@ def buffer_layouts(params: List[StageParam], dp: int, edp: int, bucket_size: Opt
                                          expert_data_parallel_world_size=edp)
 
 
-def dp_ranges(layout, param: torch.nn.Parameter, dp: int):
-    """Each DP rank's (start, end) of ``param``'s flat storage under a per-buffer layout."""
-    from megatron_muon.synthetic import dp_ranges_in_layout
-
-    return dp_ranges_in_layout(layout, param, dp)
-
-
 def owner_shard(layout, param: torch.nn.Parameter) -> int:
     """The DP rank that owns a whole param under Megatron's layer-wise layout."""
     start, _, bucket = layout.param_index_map[param]

@@ -195,6 +195,7 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
 def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str) -> None:
     from megatron_muon import MuonConfig
     from megatron_muon.planner import OrthoGroup, build_plan
+    from megatron_muon.synthetic import dp_ranges_in_layout
 
     cfg = MuonConfig(lr=1e-3, muon_tp_mode=mode)
     for expert in (False, True):
@@ -204,7 +205,7 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
             continue
         layout = next(lay for k, lay in layouts.layouts.items() if k.is_expert_parallel == expert)
         muon = [_logical(sp, m, cfg, size) for sp in chosen]
-        ranges = {i: S.dp_ranges(layout, sp.param, n) for i, sp in enumerate(chosen)}
+        ranges = {i: dp_ranges_in_layout(layout, sp.param, n) for i, sp in enumerate(chosen)}
         # Group ranks in global-rank order, as build_ortho_group orders them.
         coords = [(t, d) for d in range(n) for t in range(size)]
         group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n)
