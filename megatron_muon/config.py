@@ -8,6 +8,7 @@ Nesterov on). QK-Clip settings are read from the model's ``TransformerConfig``
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Tuple
 
@@ -117,42 +118,95 @@ class MuonConfig(OptimizerConfig):
     """Optional predicate ``(name, param) -> bool`` that overrides the default choice of
     Muon matrices entirely."""
 
+    # --- non-finite gradients ------------------------------------------------------------
+    muon_max_consecutive_skipped_steps: int = 10
+    """A step whose gradients hold an inf or NaN is skipped on every rank (parameters and
+    optimizer state untouched, ``update_successful=False``). After this many consecutive
+    skipped steps the optimizer raises, naming a parameter with a non-finite gradient. With
+    fp16's dynamic loss scaler, skips while the scaler can still lower the scale are the
+    scaler's normal work and are not counted. 0 = never raise."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
-        checks = [
-            ("muon_tp_mode", self.muon_tp_mode, TP_MODES),
-            ("muon_scale_mode", self.muon_scale_mode, SCALE_MODES),
-            ("muon_qkv_split", self.muon_qkv_split, QKV_SPLITS),
-            ("muon_split_mla", self.muon_split_mla, MLA_SPLITS),
-            ("muon_scalar_optimizer", self.muon_scalar_optimizer, SCALAR_OPTIMIZERS),
-            ("muon_router_optimizer", self.muon_router_optimizer, ROUTER_OPTIMIZERS),
-        ]
-        for name, value, allowed in checks:
-            if value not in allowed:
-                raise ValueError(f"MuonConfig.{name}={value!r} is not supported; use one of {allowed}.")
-        from .newton_schulz import COEFFICIENT_SETS
+        for problem in config_problems(self):
+            raise ValueError(f"MuonConfig.{problem}")
 
-        if self.muon_coefficient_type not in COEFFICIENT_SETS:
-            raise ValueError(
-                f"MuonConfig.muon_coefficient_type={self.muon_coefficient_type!r} is unknown; "
-                f"use one of {tuple(COEFFICIENT_SETS)}."
-            )
-        if self.muon_num_ns_steps < 1:
-            raise ValueError(f"MuonConfig.muon_num_ns_steps must be >= 1, got {self.muon_num_ns_steps}.")
-        if not 0.0 <= self.muon_momentum < 1.0:
-            raise ValueError(f"MuonConfig.muon_momentum must be in [0, 1), got {self.muon_momentum}.")
-        if self.muon_max_inflight_chunks < 1:
-            raise ValueError("MuonConfig.muon_max_inflight_chunks must be >= 1.")
-        if self.muon_ns_dtype not in (torch.bfloat16, torch.float32, torch.float16):
-            raise ValueError(
-                f"MuonConfig.muon_ns_dtype={self.muon_ns_dtype} is not supported; "
-                "use torch.bfloat16 or torch.float32."
-            )
-        if self.muon_comm_dtype not in (torch.bfloat16, torch.float32, torch.float16):
-            raise ValueError(
-                f"MuonConfig.muon_comm_dtype={self.muon_comm_dtype} is not supported; "
-                "use torch.bfloat16 or torch.float32."
-            )
+
+def _bad_number(value, minimum: float, strict: bool, integer: bool = False) -> bool:
+    """True unless ``value`` is a finite number >= ``minimum`` (> with ``strict``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return True
+    if integer and not isinstance(value, int):
+        return True
+    if not math.isfinite(value):
+        return True
+    return value <= minimum if strict else value < minimum
+
+
+def config_problems(cfg: MuonConfig):
+    """Every invalid setting of ``cfg``, one line each: ``field=value ...: fix``.
+
+    Run by ``MuonConfig.__post_init__`` (it raises on the first), so a bad value fails
+    where the config is made, before any model is built.
+    """
+    choices = [
+        ("muon_tp_mode", cfg.muon_tp_mode, TP_MODES),
+        ("muon_scale_mode", cfg.muon_scale_mode, SCALE_MODES),
+        ("muon_qkv_split", cfg.muon_qkv_split, QKV_SPLITS),
+        ("muon_split_mla", cfg.muon_split_mla, MLA_SPLITS),
+        ("muon_scalar_optimizer", cfg.muon_scalar_optimizer, SCALAR_OPTIMIZERS),
+        ("muon_router_optimizer", cfg.muon_router_optimizer, ROUTER_OPTIMIZERS),
+    ]
+    from .newton_schulz import COEFFICIENT_SETS
+
+    choices.append(("muon_coefficient_type", cfg.muon_coefficient_type, tuple(COEFFICIENT_SETS)))
+    for name, value, allowed in choices:
+        if value not in allowed:
+            yield f"{name}={value!r} is not supported; use one of {allowed}."
+    # (field, minimum, strictly greater, integer, what it means)
+    numbers = [
+        ("muon_extra_scale_factor", 0.0, True, False, "a finite number > 0"),
+        ("muon_num_ns_steps", 1, False, True, "an integer >= 1"),
+        ("muon_chunk_numel", 1, False, True, "an integer >= 1"),
+        ("muon_max_inflight_chunks", 1, False, True, "an integer >= 1"),
+        ("muon_max_consecutive_skipped_steps", 0, False, True, "an integer >= 0 (0 = never raise)"),
+        ("weight_decay", 0.0, False, False, "a finite number >= 0"),
+        ("clip_grad", 0.0, False, False, "a finite number >= 0 (0 = no clipping)"),
+        ("adam_eps", 0.0, True, False, "a finite number > 0"),
+        ("initial_loss_scale", 0.0, True, False, "a finite number > 0"),
+        ("min_loss_scale", 0.0, True, False, "a finite number > 0"),
+        ("loss_scale_window", 1, False, False, "a number >= 1"),
+        ("hysteresis", 1, False, True, "an integer >= 1"),
+    ]
+    for name, minimum, strict, integer, meaning in numbers:
+        value = getattr(cfg, name)
+        if _bad_number(value, minimum, strict, integer):
+            yield f"{name}={value!r} is invalid; use {meaning}."
+    for name in ("lr", "min_lr", "loss_scale"):
+        value = getattr(cfg, name)
+        if value is not None and _bad_number(value, 0.0, name == "loss_scale"):
+            yield f"{name}={value!r} is invalid; use a finite number {'>' if name == 'loss_scale' else '>='} 0 (or None)."
+    if not (isinstance(cfg.muon_momentum, (int, float)) and 0.0 <= cfg.muon_momentum < 1.0):
+        yield f"muon_momentum={cfg.muon_momentum!r} is invalid; use a number in [0, 1)."
+    for name in ("adam_beta1", "adam_beta2"):
+        value = getattr(cfg, name)
+        if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+            yield f"{name}={value!r} is invalid; use a number in [0, 1)."
+    for name in ("muon_ns_dtype", "muon_comm_dtype"):
+        value = getattr(cfg, name)
+        if value not in (torch.bfloat16, torch.float32, torch.float16):
+            yield f"{name}={value!r} is not supported; use torch.bfloat16, torch.float32 or torch.float16."
+    if cfg.fp16 and cfg.bf16:
+        yield "fp16=True and bf16=True are both set; choose one precision (fp16 uses a loss scaler, bf16 does not)."
+    if not isinstance(cfg.muon_exclude_patterns, (tuple, list)) or not all(
+        isinstance(p, str) for p in cfg.muon_exclude_patterns
+    ):
+        yield (
+            f"muon_exclude_patterns={cfg.muon_exclude_patterns!r} is invalid; use a tuple of "
+            "fnmatch patterns, e.g. ('*.linear_proj.weight',)."
+        )
+    if cfg.muon_param_filter is not None and not callable(cfg.muon_param_filter):
+        yield f"muon_param_filter={cfg.muon_param_filter!r} is not callable; use a function (name, param) -> bool."
 
 
 def update_scale(config: MuonConfig, rows: int, cols: int) -> float:

@@ -24,9 +24,24 @@ from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
 from .qk_clip import QKClip
 
 
+def _check_precision(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
+    """The optimizer's precision must be the model's: an fp16 model stepped by a non-fp16
+    config would get no loss scaler (and a bf16 model's params would be treated as fp32)."""
+    model_config = getattr(model_chunks[0], "config", None)
+    for flag in ("fp16", "bf16"):
+        model_value = bool(getattr(model_config, flag, False))
+        if model_value != bool(getattr(config, flag)):
+            raise ValueError(
+                f"get_muon_optimizer: the model has TransformerConfig.{flag}={model_value} but "
+                f"MuonConfig.{flag}={getattr(config, flag)}; set MuonConfig({flag}={model_value}) "
+                "so the optimizer uses the model's precision (fp16 needs its loss scaler)."
+            )
+
+
 def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
     if not model_chunks:
         raise ValueError("get_muon_optimizer: model_chunks is empty.")
+    _check_precision(model_chunks, config)
     for i, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is None or not hasattr(chunk, "buffers"):

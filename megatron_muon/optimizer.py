@@ -12,7 +12,10 @@ that by subclassing it, and change only the inner update:
   step with ``torch.optim.AdamW`` exactly as in Megatron's distributed optimizer;
 * Muon parameters update their momentum on the local shard, then the ``MuonPipeline``
   gathers each logical matrix on its owner, orthogonalizes it once and scatters the
-  update back, and every rank applies weight decay and learning rate to its shard.
+  update back, and every rank applies weight decay and learning rate to its shard;
+* the inf/nan check runs in every precision, not only with a loss scaler (see
+  ``megatron_muon.non_finite``): a step with a non-finite gradient is skipped on every
+  rank, and too many in a row raise with the parameter's name.
 
 ``get_muon_optimizer`` builds one such optimizer for dense and one for expert-parallel
 parameters and chains them, as ``get_megatron_optimizer`` does for Adam.
@@ -29,7 +32,8 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
 from .config import MuonConfig, update_scale
-from .matrices import MuonParam
+from .matrices import MuonParam, unwrap
+from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
 from .pipeline import MuonPipeline
 from .planner import Plan, build_plan, plan_statistics
 from .process_groups import build_ortho_group
@@ -227,6 +231,46 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         rng = self._get_model_param_range_map(param)["param"]
         return main, rng.start, rng.end
 
+    # ------------------------------------------------------------------ non-finite gradients
+    @torch.no_grad()
+    def unscale_and_check_grads(self) -> torch.Tensor:
+        """Copy the model grads into this rank's main-grad shards, unscale them (loss scaler)
+        and return the non-finite flag, all-reduced over the grad-statistics group.
+
+        Megatron's ``prepare_grads`` does this only with a loss scaler; we do it always
+        (unit scale without one), so bf16 and fp32 runs skip non-finite steps too."""
+        self._copy_model_grads_to_main_grads()
+        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
+        grads = self._collect_main_grad_data_for_unscaling()
+        return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Megatron's pre-step hook: True (skip the step) when any rank's gradient is non-finite."""
+        found = bool(self.unscale_and_check_grads().item() > 0)
+        if self.grad_scaler:
+            self.grad_scaler.update(found)
+        return found
+
+    def non_finite_grad_names(self) -> List[str]:
+        """Names of the model params whose main-grad shard on this rank is non-finite."""
+        names = {}
+        for i, chunk in enumerate(self.model_chunks):
+            prefix = f"chunk{i}." if len(self.model_chunks) > 1 else ""
+            names.update({id(p): prefix + n for n, p in unwrap(chunk).named_parameters()})
+        pairs = []
+        for models, mains in list(zip(self.model_float16_groups, self.shard_fp32_from_float16_groups)) + list(
+            zip(self.model_fp32_groups, self.shard_fp32_groups)
+        ):
+            pairs += [(names.get(id(m), "<unnamed>"), s.grad) for m, s in zip(models, mains)]
+        return local_non_finite_names(pairs)
+
+    def loss_scaler_can_back_off(self) -> bool:
+        """True while a dynamic loss scaler can still lower its scale (fp16): its skips are
+        its normal work, not a sign that training is broken."""
+        scaler = self.grad_scaler
+        return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
+
     # ------------------------------------------------------------------ the Muon step
     @torch.no_grad()
     def _muon_step(self, groups: List[dict]) -> None:
@@ -357,6 +401,8 @@ class MuonChainedOptimizer(ChainedOptimizer):
         self.events = events if events is not None else []
         self.num_steps = 0
         """Successful optimizer steps taken (saved in checkpoints)."""
+        self.skips = SkipCounter(self.config.muon_max_consecutive_skipped_steps)
+        """Steps skipped for non-finite gradients (``skips.skipped_steps``, ``skips.consecutive``)."""
 
     @property
     def trace(self) -> List[Tuple[str, str, int]]:
@@ -374,7 +420,23 @@ class MuonChainedOptimizer(ChainedOptimizer):
         return clip.max_attention_logit if clip is not None else None
 
     @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Check every chained optimizer, then update every loss scaler with the combined
+        flag, so the dense and expert optimizers skip together and their scales stay equal
+        (Megatron's chain would update each scaler with its own optimizer's flag)."""
+        flags = [opt.unscale_and_check_grads() for opt in self.muon_optimizers]
+        found = bool(torch.cat(flags).max().item() > 0)
+        for opt in self.muon_optimizers:
+            if opt.grad_scaler:
+                opt.grad_scaler.update(found)
+        return found
+
+    @torch.no_grad()
     def step(self):
+        """Megatron's chained step; a step with non-finite gradients returns
+        ``(False, None, None)`` on every rank with all state untouched, and the
+        ``muon_max_consecutive_skipped_steps``-th such step in a row raises
+        :class:`~megatron_muon.non_finite.NonFiniteGradientError` on every rank."""
         try:
             result = super().step()
         finally:
@@ -383,7 +445,22 @@ class MuonChainedOptimizer(ChainedOptimizer):
                 self.qk_clip.reset()
         if result[0]:
             self.num_steps += 1
+        skipped = not result[0] and result[1] is None  # (False, norm, ..) is Megatron's grad-norm skip
+        counts = skipped and not any(opt.loss_scaler_can_back_off() for opt in self.muon_optimizers)
+        if self.skips.record(skipped, counts):
+            raise self._non_finite_error()
         return result
+
+    def _non_finite_error(self) -> NonFiniteGradientError:
+        """Collective over the grad-statistics group: every rank gets the same message."""
+        names = [n for opt in self.muon_optimizers for n in opt.non_finite_grad_names()]
+        culprit = agreed_culprit(names, self.muon_optimizers[0].get_grad_stats_parallel_group())
+        return NonFiniteGradientError(
+            f"{self.skips.consecutive} consecutive optimizer steps skipped for non-finite gradients "
+            f"(inf/NaN), e.g. in parameter {culprit}; parameters and optimizer state are from the "
+            "last good step. Lower the learning rate or check the data, or raise "
+            "MuonConfig.muon_max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps; 0 = never raise)."
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):

@@ -156,7 +156,7 @@ def _bf16_fp16_resume():
     for chunk in model:
         chunk.zero_grad_buffer()
     opt.zero_grad()
-    M.forward_backward(model, batches[2], MBS, spec)
+    M.forward_backward(model, batches[2], MBS, spec, optimizer=opt)
     if parallel_state.get_data_parallel_rank() == 1:
         # Poison a gradient element inside this rank's own distributed-optimizer shard.
         muon = opt.muon_optimizers[0]

@@ -74,6 +74,15 @@ def transformer_config(spec: TinyModelSpec):
     from megatron.core import parallel_state
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+    if spec.bf16 and spec.fp16:
+        raise ValueError("TinyModelSpec: bf16=True and fp16=True are both set; choose one precision.")
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    if spec.num_moe_experts and spec.num_moe_experts % ep:
+        # Megatron's MoELayer asserts this with an empty message, after half the model is built.
+        raise ValueError(
+            f"TinyModelSpec.num_moe_experts={spec.num_moe_experts} is not divisible by "
+            f"expert_model_parallel_size={ep}; use a multiple of {ep} experts or another EP size."
+        )
     dtype = torch.bfloat16 if spec.bf16 else torch.float16 if spec.fp16 else torch.float32
     kwargs: Dict[str, Any] = dict(
         num_layers=spec.num_layers,
@@ -335,10 +344,15 @@ def _forward_step(data_iterator, model):
 
 def forward_backward(
     model: List[torch.nn.Module], tokens: torch.Tensor, micro_batch_size: int, spec: TinyModelSpec,
-    forward_only: bool = False,
+    forward_only: bool = False, optimizer=None,
 ) -> Optional[float]:
     """One global batch through Megatron's pipeline schedule. Returns the mean loss
-    (averaged over micro-batches and data-parallel ranks) on every rank."""
+    (averaged over micro-batches and data-parallel ranks) on every rank.
+
+    ``optimizer``: its ``scale_loss`` becomes ``config.grad_scale_func``, as Megatron-LM's
+    training setup does, so the schedule multiplies the loss by the loss scale before
+    backward (fp16: the optimizer divides the gradients by it again). An fp16 model needs
+    it for a backward pass (without it the gradients would be too small by the scale)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -346,6 +360,12 @@ def forward_backward(
     dp = parallel_state.get_data_parallel_world_size()
     num_microbatches = tokens.shape[0] // dp // micro_batch_size
     config = model[0].config
+    config.grad_scale_func = optimizer.scale_loss if optimizer is not None else None
+    if config.fp16 and not forward_only and optimizer is None:
+        raise ValueError(
+            "forward_backward: an fp16 model's backward needs the optimizer's loss scale; "
+            "pass optimizer=... (its scale_loss becomes config.grad_scale_func, as in Megatron-LM)."
+        )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     iters = [_microbatches(tokens, micro_batch_size) for _ in model]
@@ -388,7 +408,7 @@ def train_step(
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    loss = forward_backward(model, tokens, micro_batch_size, spec)
+    loss = forward_backward(model, tokens, micro_batch_size, spec, optimizer=optimizer)
     ok, _, _ = optimizer.step()
     return loss, bool(ok)
 

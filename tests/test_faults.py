@@ -1,0 +1,251 @@
+"""Fault injection: nothing is lost.
+
+* inf/NaN gradients, injected before the data-parallel reduction (into one rank's full
+  gradient) and after it (into one rank's own shard), in a Muon matrix, an expert matrix
+  and an AdamW parameter, in fp32, bf16 and fp16: the step is skipped on every rank with
+  parameters, fp32 masters, momentum and AdamW moments bitwise unchanged; too many skips in
+  a row raise, naming the parameter (issue 13, reproduction 2);
+* early, one-line errors for invalid settings (reproduction 6); the harness applies the
+  fp16 loss scale (reproduction 8);
+* checkpoints: flipped bits, truncated and missing files fail on every rank naming the
+  file (reproduction 3); a re-save killed between its renames still loads (reproduction 4).
+
+Each spawned run checks many cases (starting ranks is slow).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_muon.testing import run_distributed
+from megatron_muon.testing import models as M
+from tests.test_optimizer import GBS, MBS, build
+
+PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True)}
+
+
+# ---------------------------------------------------------------------------------------
+# Non-finite gradients
+# ---------------------------------------------------------------------------------------
+
+
+def _snapshot(model, opt) -> list:
+    """Every tensor a step may change: model params, fp32 masters, optimizer state."""
+    out = [p.detach().clone() for chunk in model for p in chunk.parameters()]
+    for o in opt.muon_optimizers:
+        for group in o.shard_fp32_from_float16_groups + o.shard_fp32_groups:
+            out += [t.detach().clone() for t in group]
+        for state in o.optimizer.state.values():
+            out += [v.clone() for _, v in sorted(state.items()) if torch.is_tensor(v)]
+    return out
+
+
+def _unchanged(before: list, after: list) -> bool:
+    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _targets(chunks, opt) -> dict:
+    """Name -> param of the three kinds of parameter a fault can hit."""
+    dense = next(o for o in opt.muon_optimizers if o.name == "dense")
+    expert = next(o for o in opt.muon_optimizers if o.name == "expert")
+    return {
+        "muon": dense.muon_params[0].param,
+        "expert": expert.muon_params[0].param,
+        "adamw": chunks[0].embedding.word_embeddings.weight,
+    }
+
+
+def _shard_start(opt, param) -> int:
+    for o in opt.muon_optimizers:
+        held = o.shard_of(param)
+        if held is not None:
+            return held[1]
+    return -1
+
+
+def _faulty_step(model, opt, spec, tokens, param, where: str, value: float, poison_rank: int):
+    """Forward/backward with ``value`` injected into ``param``'s gradient on one rank,
+    ``before`` the DDP reduction (a tensor hook on the full gradient) or ``after`` it
+    (into that rank's own shard of the reduced gradient); then ``optimizer.step()``."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    opt.zero_grad()
+    handle = None
+    if where == "before" and rank == poison_rank:
+
+        def poison(grad):
+            grad = grad.clone()
+            grad.view(-1)[-1] = value
+            return grad
+
+        handle = param.register_hook(poison)
+    M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
+    if handle is not None:
+        handle.remove()
+    if where == "after" and rank == poison_rank:
+        start = _shard_start(opt, param)
+        assert start >= 0, "the poisoned rank must own a piece of the parameter"
+        param.main_grad.view(-1)[start] = value
+    return opt.step()
+
+
+def _non_finite_run():
+    """In every rank (2 ranks, EP2: dense DP2, experts one per rank)."""
+    import torch.distributed as dist
+
+    from megatron_muon.non_finite import NonFiniteGradientError
+
+    out = {"cases": {}}
+    for precision, flags in PRECISIONS.items():
+        spec = M.TinyModelSpec(kind="moe", **flags)
+        scaler = dict(initial_loss_scale=2.0**10, hysteresis=1) if precision == "fp16" else {}
+        chunks, model, opt, sched = build(spec, **scaler)
+        batches = M.synthetic_batches(spec, GBS, 3, seed=7)
+        assert M.train_step(model, opt, batches[0], MBS, spec)[1]  # state exists
+        targets = _targets(chunks, opt)
+        for target, param in targets.items():
+            for where in ("before", "after"):
+                value = float("nan") if where == "before" else float("inf")
+                poison_rank = 1
+                if where == "after":  # must hit a rank that owns a piece of the param
+                    owners = [None, None]
+                    dist.all_gather_object(owners, _shard_start(opt, param) >= 0)
+                    poison_rank = max(r for r, owns in enumerate(owners) if owns)
+                before = _snapshot(model, opt)
+                scale = opt.get_loss_scale().item()
+                ok, norm, _ = _faulty_step(model, opt, spec, batches[1], param, where, value, poison_rank)
+                out["cases"][(precision, target, where)] = dict(
+                    ok=ok, norm=norm, unchanged=_unchanged(before, _snapshot(model, opt)),
+                    scale=(scale, opt.get_loss_scale().item()),
+                )
+        out[(precision, "skipped_steps")] = opt.skips.skipped_steps
+        loss, ok = M.train_step(model, opt, batches[2], MBS, spec)
+        out[(precision, "recovers")] = ok and math.isfinite(loss)
+
+        # N consecutive skips raise on every rank, naming the parameter.
+        limit = 3
+        extra = dict(initial_loss_scale=4.0, min_loss_scale=1.0, hysteresis=1) if precision == "fp16" else {}
+        chunks, model, opt, sched = build(spec, muon_max_consecutive_skipped_steps=limit, **extra)
+        param = _targets(chunks, opt)["muon"]
+        name = next(n for n, p in chunks[0].named_parameters() if p is param)
+        attempts, error = 0, None
+        try:
+            for _ in range(limit + 3):
+                attempts += 1
+                _faulty_step(model, opt, spec, batches[1], param, "before", float("nan"), 0)
+        except NonFiniteGradientError as e:
+            error = str(e)
+        out[(precision, "raise")] = dict(attempts=attempts, error=error, name=name)
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_non_finite_gradients_skip_everywhere_and_raise():
+    ranks = run_distributed(_non_finite_run, 2, ep=2, timeout_s=580)
+    for r in ranks:
+        for case, result in r["cases"].items():
+            assert result["ok"] is False, f"{case}: the step must be skipped on every rank"
+            assert result["norm"] is None, case
+            assert result["unchanged"], f"{case}: params, masters or optimizer state changed"
+            before, after = result["scale"]
+            if case[0] == "fp16":
+                assert after == before / 2, f"{case}: the loss scaler must back off"
+            else:
+                assert after == before == 1.0
+        for precision in PRECISIONS:
+            assert r[(precision, "skipped_steps")] == 6
+            assert r[(precision, "recovers")], f"{precision}: training must go on after a skip"
+            raised = r[(precision, "raise")]
+            assert raised["error"] is not None, f"{precision}: {raised['attempts']} skips did not raise"
+            assert raised["name"] in raised["error"], raised["error"]
+            assert "muon_max_consecutive_skipped_steps" in raised["error"]
+            # fp16: the skips at scales 4 and 2 are the loss scaler's own work (not counted).
+            assert raised["attempts"] == (4 if precision == "fp16" else 3), (precision, raised)
+
+
+# ---------------------------------------------------------------------------------------
+# Early errors (reproduction 6) and the harness's fp16 loss scale (reproduction 8)
+# ---------------------------------------------------------------------------------------
+
+BAD_CONFIGS = [
+    (dict(muon_extra_scale_factor=float("nan")), "muon_extra_scale_factor=nan"),
+    (dict(muon_extra_scale_factor=0.0), "muon_extra_scale_factor=0.0"),
+    (dict(fp16=True, bf16=True), "fp16=True and bf16=True"),
+    (dict(muon_momentum=-0.1), "muon_momentum=-0.1"),
+    (dict(muon_num_ns_steps=0), "muon_num_ns_steps=0"),
+    (dict(muon_chunk_numel=-5), "muon_chunk_numel=-5"),
+    (dict(muon_max_consecutive_skipped_steps=-1), "muon_max_consecutive_skipped_steps=-1"),
+    (dict(muon_tp_mode="exactly"), "muon_tp_mode='exactly'"),
+    (dict(muon_coefficient_type="cubic"), "muon_coefficient_type='cubic'"),
+    (dict(lr=float("inf")), "lr=inf"),
+    (dict(weight_decay=-0.1), "weight_decay=-0.1"),
+    (dict(muon_exclude_patterns="*.weight"), "muon_exclude_patterns='*.weight'"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD_CONFIGS, ids=[f for _, f in BAD_CONFIGS])
+def test_invalid_config_is_one_line_naming_the_field(kwargs, field):
+    from megatron_muon import MuonConfig
+
+    with pytest.raises(ValueError) as info:
+        MuonConfig(**dict(dict(lr=0.01), **kwargs))
+    message = str(info.value)
+    assert field in message and "\n" not in message, message
+
+
+def _early_errors_and_loss_scale():
+    """In every rank (2 ranks, EP2)."""
+    from megatron_muon import get_muon_optimizer
+    from tests.test_optimizer import muon_config
+
+    out = {}
+    # EP2 with 3 experts: our message, not Megatron's empty AssertionError.
+    try:
+        M.build_model_chunks(M.TinyModelSpec(kind="moe", num_moe_experts=3))
+    except ValueError as e:
+        out["experts"] = str(e)
+    # An fp16 model with a non-fp16 optimizer config would get no loss scaler.
+    spec = M.TinyModelSpec(kind="moe", fp16=True)
+    chunks = M.build_model_chunks(spec)
+    model = M.wrap_ddp(chunks, chunks[0].config)
+    try:
+        get_muon_optimizer(muon_config(M.TinyModelSpec(kind="moe")), model)
+    except ValueError as e:
+        out["precision"] = str(e)
+    # The harness multiplies the loss by the loss scale (Megatron's grad_scale_func) and
+    # refuses an fp16 backward without it: the fp16 grad norm (after the optimizer unscales)
+    # must match the fp32 one, not be 1/scale of it.
+    norms = {}
+    for precision, flags in (("fp32", {}), ("fp16", dict(fp16=True))):
+        spec = M.TinyModelSpec(kind="moe", **flags)
+        chunks, model, opt, _ = build(spec, initial_loss_scale=2.0**10, clip_grad=0.0)
+        tokens = M.synthetic_batches(spec, GBS, 1, seed=11)[0]
+        if precision == "fp16":
+            try:
+                M.forward_backward(model, tokens, MBS, spec)
+            except ValueError as e:
+                out["unscaled_fp16_backward"] = str(e)
+        M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
+        ok, norms[precision], _ = opt.step()
+        assert ok
+    out["norms"] = norms
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_early_errors_and_fp16_loss_scale_in_the_harness():
+    ranks = run_distributed(_early_errors_and_loss_scale, 2, ep=2, timeout_s=280)
+    for r in ranks:
+        assert "num_moe_experts=3" in r["experts"] and "expert_model_parallel_size=2" in r["experts"]
+        assert "TransformerConfig.fp16=True" in r["precision"] and "MuonConfig(fp16=True)" in r["precision"]
+        assert "optimizer=" in r["unscaled_fp16_backward"]
+        fp32, fp16 = r["norms"]["fp32"], r["norms"]["fp16"]
+        # fp16 rounding of activations and gradients: a few percent; a missing loss scale
+        # would make the fp16 norm 1/1024 of the fp32 one.
+        assert abs(fp16 - fp32) <= 0.05 * fp32, r["norms"]
