@@ -17,12 +17,15 @@ writes one copy (replica ids). Loading: each rank reads its TP-local parameters'
 and keeps the byte range its DP shard owns; no dummy step is needed.
 
 ``save_checkpoint`` / ``load_checkpoint`` write and read a whole training state (model,
-optimizer, extra objects) atomically: everything goes to a temporary directory that is
-renamed into place only after every rank finished writing.
+optimizer, extra objects) atomically: everything goes to a temporary directory, gets a
+checksum manifest (``megatron_muon.integrity``) once every rank finished writing, and is
+renamed into place; loading verifies the manifest on all ranks before reading anything,
+and falls back to ``<dir>.old`` when a re-save was interrupted between its two renames.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from dataclasses import replace
@@ -31,6 +34,10 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.api
+
+from .integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "megatron_muon/1"
 # torch's distributed-checkpoint errors derive from BaseException, not Exception.
@@ -41,6 +48,9 @@ ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and the fix."""
+
+
+__all__ = ["CheckpointError", "CheckpointIntegrityError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -195,11 +205,12 @@ def save_checkpoint(
     ``per_rank``: an object each rank saves for itself (e.g. its RNG states), read back by
     ``load_checkpoint(..., per_rank=True)`` only at the same world size.
 
-    Written to ``<checkpoint_dir>.tmp`` first and renamed into place after all ranks
-    finished, so a failed or interrupted save leaves the previous checkpoint intact (the
-    failure propagates to the caller). Between the two renames of the swap the previous
-    checkpoint sits at ``<checkpoint_dir>.old``; ``load_checkpoint`` falls back to it.
-    Collective: call on every rank.
+    Written to ``<checkpoint_dir>.tmp`` first; once all ranks finished, the checksum
+    manifest is written (last) and the directory is renamed into place, so a failed or
+    interrupted save leaves the previous checkpoint intact (the failure propagates to the
+    caller). Between the two renames of the swap the previous checkpoint sits at
+    ``<checkpoint_dir>.old``; ``load_checkpoint`` falls back to it (see
+    ``resolve_checkpoint_dir``). Collective: call on every rank.
     """
     from megatron.core import dist_checkpointing
 
@@ -217,6 +228,7 @@ def save_checkpoint(
     # nothing has touched checkpoint_dir yet.
     dist_checkpointing.save(state, tmp)
     _barrier()
+    write_manifest(tmp)  # collective; ends with a barrier
     if _rank0():
         old = checkpoint_dir.rstrip("/") + ".old"
         if os.path.exists(checkpoint_dir):
@@ -238,6 +250,21 @@ def _model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
     from .matrices import unwrap
 
     return {f"model{i}": unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def resolve_checkpoint_dir(checkpoint_dir: str) -> str:
+    """The directory to load for ``checkpoint_dir``: itself when it is complete (has its
+    manifest); ``<checkpoint_dir>.old`` when a re-save was interrupted between moving the
+    previous checkpoint aside and moving the new one in (the directory is then missing, or
+    incomplete); otherwise ``checkpoint_dir`` itself, whose verification then reports what is
+    wrong."""
+    base = checkpoint_dir.rstrip("/")
+    old = base + ".old"
+    if not has_manifest(base) and has_manifest(old):
+        if _rank0():
+            logger.warning("%s is missing or incomplete (an interrupted re-save); loading %s instead", base, old)
+        return old
+    return checkpoint_dir
 
 
 def read_common(checkpoint_dir: str) -> Dict[str, Any]:
@@ -263,9 +290,17 @@ def load_checkpoint(
     layout, any expert layout Megatron's model state dict can reshard). Returns ``extra``,
     plus ``extra["per_rank"]`` with ``per_rank=True`` when the checkpoint was saved by as
     many ranks as load it (``None`` otherwise). ``load_optimizer=False`` loads the weights
-    only and resets the optimizer's fp32 masters from them."""
+    only and resets the optimizer's fp32 masters from them.
+
+    Before anything is read, every file is checked against the checkpoint's manifest (the
+    work split over ranks): a changed, truncated or missing file raises
+    ``CheckpointIntegrityError`` on every rank, naming the file and tensor. Collective."""
     from megatron.core import dist_checkpointing
 
+    checkpoint_dir = resolve_checkpoint_dir(checkpoint_dir)
+    if not os.path.isdir(checkpoint_dir):
+        raise CheckpointError(f"{checkpoint_dir} is not a checkpoint directory")
+    verify_manifest(checkpoint_dir)
     common = read_common(checkpoint_dir)
     kind = common.get("optimizer", {}).get("format") if isinstance(common.get("optimizer"), dict) else None
     if kind != FORMAT and load_optimizer:

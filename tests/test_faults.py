@@ -249,3 +249,150 @@ def test_early_errors_and_fp16_loss_scale_in_the_harness():
         # fp16 rounding of activations and gradients: a few percent; a missing loss scale
         # would make the fp16 norm 1/1024 of the fp32 one.
         assert abs(fp16 - fp32) <= 0.05 * fp32, r["norms"]
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints: corruption is named on every rank (reproduction 3); an interrupted re-save
+# leaves the last good checkpoint loadable (reproduction 4)
+# ---------------------------------------------------------------------------------------
+
+
+def _flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def _attempt_load(ckpt, spec) -> str:
+    from megatron_muon.checkpoint import load_checkpoint
+    from megatron_muon.integrity import CheckpointIntegrityError
+
+    chunks, model, opt, _ = build(spec)
+    try:
+        load_checkpoint(ckpt, model, opt)
+    except CheckpointIntegrityError as e:
+        return str(e)
+    return "loaded"
+
+
+def _corrupted_checkpoints(ckpt):
+    """In every rank (2 ranks, TP2): save; then flip a bit in a tensor, truncate a file,
+    delete a file, delete the manifest; every load attempt must fail on every rank."""
+    import json
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from megatron_muon.checkpoint import save_checkpoint
+    from megatron_muon.integrity import MANIFEST
+
+    spec = M.TinyModelSpec(kind="gqa")
+    chunks, model, opt, sched = build(spec)
+    assert M.train_step(model, opt, M.synthetic_batches(spec, GBS, 1)[0], MBS, spec)[1]
+    save_checkpoint(ckpt, model, opt)
+    pristine = ckpt + ".pristine"
+    out = {"clean": _attempt_load(ckpt, spec)}
+    if dist.get_rank() == 0:
+        shutil.copytree(ckpt, pristine)
+        with open(os.path.join(ckpt, MANIFEST)) as f:
+            manifest = json.load(f)
+        # The largest stored item (a tensor), a byte in its middle.
+        name, items = max(manifest["items"].items(), key=lambda kv: max(i[1] for i in kv[1]))
+        offset, length, _, label = max(items, key=lambda i: i[1])
+        out["target"] = (name, label)
+    out["target"] = [out.get("target")]
+    dist.broadcast_object_list(out["target"], src=0)
+    name, label = out["target"][0]
+
+    def corrupt(action):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(ckpt)
+            shutil.copytree(pristine, ckpt)
+            action(os.path.join(ckpt, name))
+        dist.barrier()
+        return _attempt_load(ckpt, spec)
+
+    out["bit_flip"] = corrupt(lambda path: _flip_byte(path, offset + length // 2))
+    out["truncated"] = corrupt(lambda path: os.truncate(path, os.path.getsize(path) // 2))
+    out["missing"] = corrupt(os.remove)
+    out["no_manifest"] = corrupt(lambda path: os.remove(os.path.join(ckpt, MANIFEST)))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_corrupted_checkpoint_fails_on_every_rank_naming_file_and_tensor(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    ranks = run_distributed(_corrupted_checkpoints, 2, ckpt, tp=2, timeout_s=280)
+    name, label = ranks[0]["target"][0]
+    for r in ranks:
+        assert r["clean"] == "loaded"
+        assert name in r["bit_flip"] and label in r["bit_flip"] and "contents changed" in r["bit_flip"], r["bit_flip"]
+        assert name in r["truncated"] and "truncated" in r["truncated"], r["truncated"]
+        assert f"{name}: missing" in r["missing"], r["missing"]
+        assert "no integrity.json" in r["no_manifest"], r["no_manifest"]
+    # Same message on every rank.
+    for key in ("bit_flip", "truncated", "missing", "no_manifest"):
+        assert ranks[0][key] == ranks[1][key]
+
+
+class _Killed(BaseException):
+    """Stands in for SIGKILL at one point of a save (nothing after it runs)."""
+
+
+def _killed_resave(ckpt):
+    """In one rank: save A; train; re-save into the same directory, killed right after the
+    previous checkpoint was moved aside. Loading must give A back, bit for bit; the next
+    save must succeed and clean up."""
+    import os
+    from unittest import mock
+
+    from megatron_muon.checkpoint import load_checkpoint, save_checkpoint
+
+    spec = M.TinyModelSpec(kind="gqa")
+    batches = M.synthetic_batches(spec, GBS, 3)
+    chunks, model, opt, sched = build(spec)
+    assert M.train_step(model, opt, batches[0], MBS, spec)[1]
+    save_checkpoint(ckpt, model, opt, extra={"iteration": 1})
+    saved = M.gather_canonical_optimizer_state(model, opt)
+    assert M.train_step(model, opt, batches[1], MBS, spec)[1]
+
+    real_rename = os.rename
+
+    def rename_then_die(src, dst):
+        real_rename(src, dst)
+        if str(src) == ckpt:  # the swap's first rename (the writers rename their own files)
+            raise _Killed()
+
+    out = {}
+    with mock.patch("os.rename", side_effect=rename_then_die):
+        try:
+            save_checkpoint(ckpt, model, opt, extra={"iteration": 2})
+        except _Killed:
+            out["killed"] = True
+    out["on_disk"] = sorted(p for p in os.listdir(os.path.dirname(ckpt)))
+    chunks2, model2, opt2, _ = build(spec)
+    out["extra"] = load_checkpoint(ckpt, model2, opt2)
+    loaded = M.gather_canonical_optimizer_state(model2, opt2)
+    merged_saved, merged_loaded = M.merge_canonical_states([saved]), M.merge_canonical_states([loaded])
+    out["equal"] = merged_saved.keys() == merged_loaded.keys() and all(
+        torch.equal(merged_saved[k], merged_loaded[k]) for k in merged_saved
+    )
+    save_checkpoint(ckpt, model, opt, extra={"iteration": 2})
+    out["after_next_save"] = sorted(os.listdir(os.path.dirname(ckpt)))
+    out["extra_next"] = load_checkpoint(ckpt, model2, opt2)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_resave_killed_between_renames_loads_the_last_good_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    (r,) = run_distributed(_killed_resave, 1, ckpt, timeout_s=280)
+    assert r["killed"]
+    assert r["on_disk"] == ["ckpt.old", "ckpt.tmp"], r["on_disk"]  # no ckpt: the window
+    assert r["extra"] == {"iteration": 1} and r["equal"]
+    assert r["after_next_save"] == ["ckpt"]
+    assert r["extra_next"] == {"iteration": 2}

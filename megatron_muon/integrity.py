@@ -1,0 +1,294 @@
+"""Checkpoint integrity: a checksum manifest written last at save, verified first at load.
+
+The manifest is Megatron-core's own (``integrity.json`` of
+``megatron.core.dist_checkpointing.validation``: ``{"algorithm": "sha256", "files": {name:
+sha256}}`` over every file of the checkpoint directory), so Megatron's
+``verify_integrity_manifest`` accepts what we write and we accept what it writes. What we
+add on top:
+
+* **The work is split over ranks.** Megatron hashes every file on rank 0; here each rank
+  hashes a share of the files (balanced by size, largest first), the digests are
+  all-gathered, and rank 0 writes the manifest. Verification splits the same way and the
+  verdicts are all-gathered, so a mismatch fails on *every* rank with the same message.
+* **Tensors are named.** For torch_dist data files the manifest also records, per stored
+  item of torch's ``.metadata`` (one tensor shard or object), its byte range and CRC-32
+  (``"items"``), computed in the same pass as the file's SHA-256; a corrupt file is
+  reported with the tensors whose bytes changed.
+* **Written atomically**, after everything else: a temporary file, fsync, ``os.replace``.
+  A directory whose manifest is missing was not completely saved.
+
+Sizes are checked before contents: a truncated file is reported as truncated, a missing file
+as missing. ``python -m megatron_muon.integrity write|verify DIR`` runs the same on one
+process.
+
+Public API: :func:`write_manifest`, :func:`verify_manifest`, :func:`has_manifest`,
+:class:`CheckpointIntegrityError`, :data:`MANIFEST`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import zlib
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
+
+MANIFEST = INTEGRITY_FNAME
+"""File name of the manifest inside a checkpoint directory (Megatron-core's)."""
+ALGORITHM = "sha256"
+_BLOCK = 16 << 20
+_TORCH_METADATA = ".metadata"
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """A checkpoint's files do not match its manifest (or it has none)."""
+
+
+# ---------------------------------------------------------------------------------------
+# Hashing one file
+# ---------------------------------------------------------------------------------------
+
+Item = Tuple[int, int, str]  # (offset, length, name)
+
+
+def _stored_items(checkpoint_dir: str) -> Dict[str, List[Item]]:
+    """File name -> the byte ranges of the tensors / objects torch's ``.metadata`` places
+    in it (empty when the directory has no torch_dist metadata)."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, _TORCH_METADATA)):
+        return {}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    out: Dict[str, List[Item]] = {}
+    for index, info in metadata.storage_data.items():
+        offset = tuple(index.offset) if index.offset is not None else ()
+        name = index.fqn + (f" (shard at offset {offset})" if any(offset) else "")
+        out.setdefault(info.relative_path, []).append((int(info.offset), int(info.length), name))
+    for items in out.values():
+        items.sort()
+    return out
+
+
+def _hash_file(path: str, items: List[Item]) -> Tuple[str, int, List[int]]:
+    """(sha256 of the whole file, its size, CRC-32 of each item's byte range), one read."""
+    sha = hashlib.sha256()
+    crcs = [0] * len(items)
+    position = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_BLOCK)
+            if not block:
+                break
+            sha.update(block)
+            end = position + len(block)
+            for i, (start, length, _) in enumerate(items):
+                lo, hi = max(start, position), min(start + length, end)
+                if lo < hi:
+                    crcs[i] = zlib.crc32(block[lo - position : hi - position], crcs[i])
+            position = end
+    return sha.hexdigest(), position, crcs
+
+
+# ---------------------------------------------------------------------------------------
+# Splitting the work over ranks
+# ---------------------------------------------------------------------------------------
+
+
+def _group_info(group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _my_share(sizes: Dict[str, int], rank: int, world: int) -> List[str]:
+    """Files of this rank: largest first, each to the least loaded rank (deterministic)."""
+    loads = [0] * world
+    mine = []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        target = loads.index(min(loads))
+        loads[target] += max(sizes[name], 1)
+        if target == rank:
+            mine.append(name)
+    return mine
+
+
+def _all_gather(value, group: Optional[dist.ProcessGroup], world: int) -> list:
+    if world == 1:
+        return [value]
+    out = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def _checkpoint_files(checkpoint_dir: str) -> Dict[str, int]:
+    """Every regular file of the directory (Megatron's manifest is flat) -> its size."""
+    return {
+        entry.name: entry.stat().st_size
+        for entry in os.scandir(checkpoint_dir)
+        if entry.is_file() and entry.name != MANIFEST and not entry.name.startswith(MANIFEST + ".")
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Save: write the manifest
+# ---------------------------------------------------------------------------------------
+
+
+def write_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Hash every file of ``checkpoint_dir`` and write its manifest atomically, last.
+
+    Collective over ``group`` (default: all ranks) when torch.distributed is initialized:
+    call it on every rank after every rank finished writing (e.g. after
+    ``dist_checkpointing.save`` returned). Each rank hashes its share of the files; rank 0
+    writes the manifest; all ranks return after it exists.
+    """
+    rank, world = _group_info(group)
+    sizes = _checkpoint_files(checkpoint_dir) if rank == 0 else None
+    sizes = _broadcast(sizes, group, world)
+    items = _stored_items(checkpoint_dir)
+    digests = {}
+    for name in _my_share(sizes, rank, world):
+        sha, size, crcs = _hash_file(os.path.join(checkpoint_dir, name), items.get(name, []))
+        digests[name] = (sha, size, [[o, n, c, label] for (o, n, label), c in zip(items.get(name, []), crcs)])
+    merged: Dict[str, tuple] = {}
+    for part in _all_gather(digests, group, world):
+        merged.update(part)
+    if rank == 0:
+        manifest = {
+            "algorithm": ALGORITHM,
+            "files": {name: merged[name][0] for name in sorted(merged)},
+            "sizes": {name: merged[name][1] for name in sorted(merged)},
+            "items": {name: merged[name][2] for name in sorted(merged) if merged[name][2]},
+        }
+        _write_atomically(os.path.join(checkpoint_dir, MANIFEST), json.dumps(manifest, indent=1))
+    if world > 1:
+        dist.barrier(group=group)
+
+
+def _broadcast(value, group: Optional[dist.ProcessGroup], world: int):
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------
+# Load: verify the manifest
+# ---------------------------------------------------------------------------------------
+
+
+def has_manifest(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` holds a manifest (i.e. was saved completely, with one)."""
+    return os.path.isfile(os.path.join(checkpoint_dir, MANIFEST))
+
+
+def _read_manifest(checkpoint_dir: str) -> dict:
+    path = os.path.join(checkpoint_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointIntegrityError(
+            f"{checkpoint_dir} has no {MANIFEST}: it was not completely saved (the manifest is "
+            "written last), or by a tool that writes none; if you trust its files, write one "
+            f"with `python -m megatron_muon.integrity write {checkpoint_dir}`."
+        )
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointIntegrityError(f"{path} is unreadable ({e}); the checkpoint cannot be verified.") from e
+    if manifest.get("algorithm", ALGORITHM) != ALGORITHM:
+        raise CheckpointIntegrityError(f"{path}: unsupported hash algorithm {manifest.get('algorithm')!r}.")
+    return manifest
+
+
+def _check_file(checkpoint_dir: str, name: str, manifest: dict) -> Optional[str]:
+    """One line describing what is wrong with file ``name``, or None."""
+    path = os.path.join(checkpoint_dir, name)
+    if not os.path.isfile(path):
+        return f"{name}: missing"
+    expected_size = manifest.get("sizes", {}).get(name)
+    size = os.path.getsize(path)
+    if expected_size is not None and size != expected_size:
+        return f"{name}: truncated or extended ({size} bytes, saved with {expected_size})"
+    recorded = manifest.get("items", {}).get(name, [])
+    sha, _, crcs = _hash_file(path, [(o, n, label) for o, n, _, label in recorded])
+    if sha == manifest["files"][name]:
+        return None
+    changed = [label for (_, _, crc, label), now in zip(recorded, crcs) if crc != now]
+    where = f" in {', '.join(changed[:3])}" + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") if changed else ""
+    return f"{name}: contents changed (sha256 mismatch){where}"
+
+
+def verify_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Check every file of ``checkpoint_dir`` against its manifest before anything is read.
+
+    Collective over ``group`` (default: all ranks) when torch.distributed is initialized:
+    each rank hashes its share of the files, the findings are all-gathered, and every rank
+    raises the same :class:`CheckpointIntegrityError` naming the files (and, for torch_dist
+    data files, the tensors) that are missing, truncated or changed. A missing or unreadable
+    manifest fails the same way on every rank.
+    """
+    rank, world = _group_info(group)
+    problems: List[str] = []
+    try:
+        manifest = _read_manifest(checkpoint_dir)
+    except CheckpointIntegrityError as e:
+        manifest, problems = None, [str(e)]
+    if manifest is not None:
+        sizes = manifest.get("sizes") or {name: 1 for name in manifest["files"]}
+        for name in _my_share({n: sizes.get(n, 1) for n in manifest["files"]}, rank, world):
+            problem = _check_file(checkpoint_dir, name, manifest)
+            if problem:
+                problems.append(problem)
+    found = sorted({p for part in _all_gather(problems, group, world) for p in part})
+    if found:
+        if manifest is None:
+            raise CheckpointIntegrityError(found[0])
+        raise CheckpointIntegrityError(
+            f"{checkpoint_dir} is corrupt ({len(found)} of {len(manifest['files'])} files): " + "; ".join(found)
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_muon.integrity", description=__doc__.split("\n")[0])
+    parser.add_argument("action", choices=("write", "verify"))
+    parser.add_argument("checkpoint_dir")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.checkpoint_dir):
+        print(f"error: {args.checkpoint_dir} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        (write_manifest if args.action == "write" else verify_manifest)(args.checkpoint_dir)
+    except CheckpointIntegrityError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.action}: {args.checkpoint_dir} OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
