@@ -396,3 +396,95 @@ def test_resave_killed_between_renames_loads_the_last_good_checkpoint(tmp_path):
     assert r["extra"] == {"iteration": 1} and r["equal"]
     assert r["after_next_save"] == ["ckpt"]
     assert r["extra_next"] == {"iteration": 2}
+
+
+# ---------------------------------------------------------------------------------------
+# Inside Megatron-LM: its own save_checkpoint / load_checkpoint, with use_megatron_muon()
+# ---------------------------------------------------------------------------------------
+
+
+def _megatron_lm_checkpoints(ckpt_root):
+    """In every rank (2 ranks, DP2): Megatron-LM's save_checkpoint writes the manifest before
+    the tracker; a save killed while hashing leaves the tracker on the previous iteration;
+    load_checkpoint loads a clean checkpoint and refuses a corrupt one on every rank."""
+    import json
+    import os
+    from unittest import mock
+
+    import megatron.training.arguments as arguments
+    import megatron.training.checkpointing as checkpointing
+    import megatron.training.training as training
+    import torch.distributed as dist
+    from megatron.training import global_vars
+
+    from megatron_muon.integrity import MANIFEST, CheckpointIntegrityError
+    from megatron_muon.megatron_lm import integration as I
+    from megatron_muon.megatron_lm import integrity_hooks
+    from tests.test_megatron_lm_integration import ARGV, _parse_and_validate
+
+    I.use_megatron_muon()
+    args = _parse_and_validate(arguments, ARGV + ["--save", ckpt_root, "--load", ckpt_root, "--save-interval", "1"])
+    global_vars.set_args(args)
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
+                                     args.data_parallel_size)
+    spec = M.TinyModelSpec()
+    chunks = M.build_model_chunks(spec)
+    M.canonical_init_(chunks, seed=0)
+    model = training.wrap_model_chunks_with_ddp(
+        chunks, chunks[0].config, training.get_megatron_ddp_config(args),
+        use_layer_wise_distributed_optimizer=args.use_layer_wise_distributed_optimizer)
+    config, overrides = training.get_megatron_optimizer_config(args)
+    opt = training.get_megatron_optimizer(config, model, config_overrides=overrides)
+    batches = M.synthetic_batches(spec, 4, 2)
+    assert M.train_step(model, opt, batches[0], 1, spec)[1]
+    tracker = checkpointing.get_checkpoint_tracker_filename(ckpt_root)
+
+    def tracked() -> str:
+        with open(tracker) as f:
+            return f.read().strip()
+
+    out = {}
+    checkpointing.save_checkpoint(1, model, opt, None, 0)
+    first = checkpointing.get_checkpoint_name(ckpt_root, 1, return_base_dir=True)
+    with open(os.path.join(first, MANIFEST)) as f:
+        out["manifest_files"] = sorted(json.load(f)["files"])
+    out["tracker_after_save"] = tracked()
+
+    # A save that dies while the manifest is written: the tracker stays on iteration 1.
+    assert M.train_step(model, opt, batches[1], 1, spec)[1]
+    with mock.patch.object(integrity_hooks, "write_manifest", side_effect=_Killed()):
+        try:
+            checkpointing.save_checkpoint(2, model, opt, None, 0)
+        except _Killed:
+            out["killed"] = True
+    dist.barrier()
+    out["tracker_after_killed_save"] = tracked()
+
+    # Clean load of iteration 1 (the tracker's).
+    out["loaded_iteration"] = checkpointing.load_checkpoint(model, opt, None)[0]
+    # Bit flip in the middle of one data file: every rank fails, naming it.
+    if dist.get_rank() == 0:
+        name = "__1_0.distcp"
+        _flip_byte(os.path.join(first, name), os.path.getsize(os.path.join(first, name)) // 2)
+    dist.barrier()
+    try:
+        checkpointing.load_checkpoint(model, opt, None)
+        out["corrupt"] = "loaded"
+    except CheckpointIntegrityError as e:
+        out["corrupt"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_megatron_lm_save_and_load_checkpoint_carry_the_manifest(tmp_path):
+    pytest.importorskip("megatron.training")
+    ranks = run_distributed(_megatron_lm_checkpoints, 2, str(tmp_path / "ckpts"), timeout_s=280)
+    for r in ranks:
+        assert "__0_0.distcp" in r["manifest_files"] and ".metadata" in r["manifest_files"], r["manifest_files"]
+        assert r["tracker_after_save"] == "1"
+        assert r["killed"] and r["tracker_after_killed_save"] == "1"
+        assert r["loaded_iteration"] == 1
+        assert "__1_0.distcp: contents changed" in r["corrupt"], r["corrupt"]
+    assert ranks[0]["corrupt"] == ranks[1]["corrupt"]

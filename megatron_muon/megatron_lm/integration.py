@@ -283,6 +283,8 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
         )
         if hasattr(module, name)
     ]
+    from .integrity_hooks import integrity_patches  # checksummed checkpoints in Megatron-LM's save/load
+    patches += integrity_patches()
 
     def undo() -> None:
         """Restore Megatron-LM's functions (those still carrying our wrapper)."""
