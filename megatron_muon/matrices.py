@@ -75,8 +75,20 @@ class LogicalMatrix:
 
     @property
     def piece_shape(self) -> Tuple[int, int]:
-        blocks = self.pieces[0][1]
+        return self.piece_shape_on(self.pieces[0][0])
+
+    def piece_shape_on(self, tp: int) -> Tuple[int, int]:
+        """Shape of TP rank ``tp``'s piece. Pieces are equal, except for row-split weights
+        whose TP slices cut through a logical matrix (fused QKV with fewer query groups
+        than TP ranks), where they differ along ``tp_dim`` = 0."""
+        blocks = dict(self.pieces)[tp]
         return sum(b.rows for b in blocks), blocks[0].cols
+
+    def piece_extents(self) -> List[int]:
+        """Each piece's extent along ``tp_dim`` per column group, in TP order (how an
+        orthogonalized matrix is cut back into pieces)."""
+        shapes = [self.piece_shape_on(t) for t, _ in self.pieces]
+        return [r for r, _ in shapes] if self.tp_dim == 0 else [c // self.column_groups for _, c in shapes]
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -84,8 +96,9 @@ class LogicalMatrix:
         rows, cols = self.piece_shape
         if self.tp_dim is None or self.replicated:
             return rows, cols
-        n = len(self.pieces)
-        return (rows * n, cols) if self.tp_dim == 0 else (rows, cols * n)
+        if self.tp_dim == 0:
+            return sum(self.piece_shape_on(t)[0] for t, _ in self.pieces), cols
+        return rows, cols * len(self.pieces)
 
     @property
     def ns_shape(self) -> Tuple[int, int]:
@@ -227,6 +240,9 @@ def grouped_rows(
     """
     group_rows = sum(r for _, r in parts)
     rows, cols = ctx.param.shape
+    if groups < ctx.tp_size and ctx.tp_size % groups == 0 and ctx.partition_dim == 0:
+        if rows * ctx.tp_size == groups * group_rows:
+            return _groups_across_tp(ctx, groups, parts, granularity, heads_in or {})
     if groups % ctx.tp_size or rows != groups // ctx.tp_size * group_rows or ctx.partition_dim not in (0, None):
         raise ctx.shape_error(
             f"{describe}{', ' if describe else ''}{groups} groups of parts {list(parts)}: expected "
@@ -261,6 +277,50 @@ def grouped_rows(
                                 index=index,
                             )
                         )
+        offset += part_rows
+    return out
+
+
+def rows_across_tp(ctx: ParamContext, global_rows: Sequence[Tuple[int, int]], **kw) -> LogicalMatrix:
+    """The matrix made of the (start, count) ``global_rows`` of a column-parallel weight,
+    wherever the TP slices put them (rank t holds global rows [t * local, (t + 1) * local)).
+    Its pieces may differ in size and live on some TP ranks only."""
+    local_rows, cols = ctx.param.shape
+    pieces = []
+    for t in range(ctx.tp_size):
+        lo, hi = t * local_rows, (t + 1) * local_rows
+        blocks = tuple(
+            Block((a - lo) * cols, b - a, cols)
+            for a, b in ((max(start, lo), min(start + count, hi)) for start, count in global_rows)
+            if b > a
+        )
+        if blocks:
+            pieces.append((t, blocks))
+    return LogicalMatrix(param_name=ctx.name, pieces=tuple(pieces), tp_dim=0 if len(pieces) > 1 else None, **kw)
+
+
+def _groups_across_tp(
+    ctx: ParamContext, groups: int, parts: Sequence[Tuple[str, int]], granularity: str, heads_in: Dict[str, int]
+) -> List[LogicalMatrix]:
+    """``grouped_rows`` for fewer groups than TP ranks (Megatron's GQA with
+    ``num_query_groups < tensor_model_parallel_size``): the weight's global rows, groups of
+    ``parts`` in order, are cut into equal TP slices that split a group; each logical matrix
+    is gathered from the slices that hold its rows."""
+    group_rows = sum(r for _, r in parts)
+    out: List[LogicalMatrix] = []
+    offset = 0
+    for role, part_rows in parts:
+        per = heads_in.get(role, 1) if granularity == "head" else 1
+        sub_rows = part_rows // per
+        if granularity == "part":
+            rows = [(g * group_rows + offset, part_rows) for g in range(groups)]
+            out.append(rows_across_tp(ctx, rows, name=f"{ctx.name}[{role}]", role=role))
+        else:
+            for g in range(groups):
+                for h in range(per):
+                    index = g * per + h
+                    rows = [(g * group_rows + offset + h * sub_rows, sub_rows)]
+                    out.append(rows_across_tp(ctx, rows, name=f"{ctx.name}[{role}{index}]", role=role, index=index))
         offset += part_rows
     return out
 

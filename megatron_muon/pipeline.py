@@ -24,6 +24,8 @@ order. Bytes each rank sends are counted in ``traffic``.
 
 from __future__ import annotations
 
+import math
+
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -187,9 +189,9 @@ class MuonPipeline:
         recv = pending.recv.float()
         pieces: List[Dict[int, torch.Tensor]] = []
         for job in comm.owned:
-            rows, cols = job.matrix.piece_shape
             tps = sorted({s.tp for s in job.sources})
-            pieces.append({t: torch.empty(rows * cols, dtype=torch.float32, device=recv.device) for t in tps})
+            numels = {t: math.prod(job.matrix.piece_shape_on(t)) for t in tps}
+            pieces.append({t: torch.empty(numels[t], dtype=torch.float32, device=recv.device) for t in tps})
         for job_pos, tp, piece_offset, recv_offset, numel in comm.gather_place:
             pieces[job_pos][tp][piece_offset : piece_offset + numel] = recv[recv_offset : recv_offset + numel]
         return [self._assemble(job, p) for job, p in zip(comm.owned, pieces)]
@@ -198,8 +200,7 @@ class MuonPipeline:
     def _assemble(job: Job, pieces: Dict[int, torch.Tensor]) -> List[torch.Tensor]:
         """Join the TP pieces along the partition dim, one matrix per column group."""
         m = job.matrix
-        rows, cols = m.piece_shape
-        groups = [pieces[t].view(rows, cols).chunk(m.column_groups, dim=1) for t in sorted(pieces)]
+        groups = [pieces[t].view(m.piece_shape_on(t)).chunk(m.column_groups, dim=1) for t in sorted(pieces)]
         if len(groups) == 1:
             return list(groups[0])
         return [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)]
@@ -240,7 +241,7 @@ class MuonPipeline:
             flat = torch.cat(outs, dim=1).reshape(-1) if len(outs) > 1 else outs[0].reshape(-1)
             return {t: flat for t in dest_tps}
         order = [t for t, _ in m.pieces]
-        per_group = [out.chunk(len(order), dim=m.tp_dim) for out in outs]
+        per_group = [out.split(m.piece_extents(), dim=m.tp_dim) for out in outs]
         return {
             t: torch.cat([g[order.index(t)] for g in per_group], dim=1).reshape(-1)
             if len(outs) > 1

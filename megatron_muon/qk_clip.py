@@ -143,6 +143,13 @@ class QKClip:
                             "after the projection, so scaling W_q / W_k does not change them. Disable "
                             "qk_layernorm or qk_clip."
                         )
+                    if tconfig.qk_clip and tconfig.num_query_groups < module.world_size:
+                        raise ValueError(
+                            f"QK-Clip cannot clip {full}: num_query_groups={tconfig.num_query_groups} < "
+                            f"tensor_model_parallel_size={module.world_size} splits a query group's "
+                            "rows over TP ranks. Use at least as many query groups as TP ranks, or "
+                            "disable qk_clip."
+                        )
                     weights = [("qkv", module.linear_qkv.weight)]
                     groups = module.num_query_groups_per_partition
                     layers.append(ClipLayer(full, module, "gqa", weights, heads, groups))

@@ -488,3 +488,43 @@ def test_megatron_lm_save_and_load_checkpoint_carry_the_manifest(tmp_path):
         assert r["loaded_iteration"] == 1
         assert "__1_0.distcp: contents changed" in r["corrupt"], r["corrupt"]
     assert ranks[0]["corrupt"] == ranks[1]["corrupt"]
+
+
+# ---------------------------------------------------------------------------------------
+# Fewer query groups than TP ranks (reproduction 5): the QKV split gathers K and V from the
+# TP ranks that hold them, equal to the single-process reference
+# ---------------------------------------------------------------------------------------
+
+ONE_KV_GROUP = dict(kind="gqa", num_query_groups=1)
+QKV_VARIANTS = {
+    "part": {},
+    "head": dict(muon_qkv_split="head"),
+    "duplicated": dict(muon_tp_mode="duplicated", muon_qkv_split="group"),
+}
+
+
+def _qkv_references():
+    from tests.test_optimizer import reference
+
+    return reference(ONE_KV_GROUP, {"part": {}, "head": dict(muon_qkv_split="head"),
+                                    "duplicated": dict(muon_qkv_split="group")})
+
+
+@pytest.mark.timeout(400)
+def test_qkv_split_with_fewer_query_groups_than_tp_ranks_equals_reference():
+    from tests.test_optimizer import max_rel_err, train
+
+    ref = run_distributed(_qkv_references, 1, timeout_s=300)[0]
+    results = run_distributed(train, 2, ONE_KV_GROUP, QKV_VARIANTS, timeout_s=380, tp=2)
+    for name in QKV_VARIANTS:
+        full = M.merge_canonical_states([r[name]["state"] for r in results])
+        ref_state = M.merge_canonical_states([ref[name][1]])
+        err, key = max_rel_err(full, ref_state, "fro")
+        assert err <= 1e-5, f"{name}: {key} differs from the reference by {err:.2e}"
+        qkv = {k: v for k, v in ref_state.items() if "linear_qkv.weight" in k}
+        err, key = max_rel_err(full, qkv, "max")
+        assert err <= 1e-5, f"{name}: {key} differs from the reference by {err:.2e}"
+    computed = results[0]["part"]["computed"] + results[1]["part"]["computed"]
+    # One K and one V matrix, gathered from TP rank 1 (which holds all of them); Q from both.
+    assert sorted(n.rsplit("[", 1)[1] for n in computed if "layers.0.self_attention.linear_qkv" in n) == [
+        "k]", "q]", "v]"]
