@@ -23,6 +23,7 @@ parameters and chains them, as ``get_megatron_optimizer`` does for Adam.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -239,10 +240,25 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
         Megatron's ``prepare_grads`` does this only with a loss scaler; we do it always
         (unit scale without one), so bf16 and fp32 runs skip non-finite steps too."""
-        self._copy_model_grads_to_main_grads()
-        inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
-        grads = self._collect_main_grad_data_for_unscaling()
-        return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
+        with self._timer("optimizer-copy-to-main-grad"):
+            self._copy_model_grads_to_main_grads()
+        with self._timer("optimizer-unscale-and-check-inf"):
+            inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
+            grads = self._collect_main_grad_data_for_unscaling()
+            return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
+
+    @contextlib.contextmanager
+    def _timer(self, name: str):
+        """Megatron's timer of the same name (Megatron-LM logs it), when timers are set."""
+        timers = self.config.timers
+        if timers is None:
+            yield
+            return
+        timers(name, log_level=1).start(barrier=self.config.barrier_with_L1_time)
+        try:
+            yield
+        finally:
+            timers(name).stop()
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
