@@ -78,7 +78,7 @@ def _hash_file(path: str, items: List[Item]) -> Tuple[str, int, List[int]]:
     """(sha256 of the whole file, its size, CRC-32 of each item's byte range), one read."""
     sha = hashlib.sha256()
     crcs = [0] * len(items)
-    position = 0
+    position, first = 0, 0  # items are sorted and disjoint: sweep them with the blocks
     with open(path, "rb") as f:
         while True:
             block = f.read(_BLOCK)
@@ -86,10 +86,15 @@ def _hash_file(path: str, items: List[Item]) -> Tuple[str, int, List[int]]:
                 break
             sha.update(block)
             end = position + len(block)
-            for i, (start, length, _) in enumerate(items):
+            while first < len(items) and items[first][0] + items[first][1] <= position:
+                first += 1
+            i = first
+            while i < len(items) and items[i][0] < end:
+                start, length, _ = items[i]
                 lo, hi = max(start, position), min(start + length, end)
                 if lo < hi:
                     crcs[i] = zlib.crc32(block[lo - position : hi - position], crcs[i])
+                i += 1
             position = end
     return sha.hexdigest(), position, crcs
 

@@ -240,11 +240,13 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
         Megatron's ``prepare_grads`` does this only with a loss scaler; we do it always
         (unit scale without one), so bf16 and fp32 runs skip non-finite steps too."""
+        stub = getattr(self, "is_stub_optimizer", False)  # holds no params, still votes
         with self._timer("optimizer-copy-to-main-grad"):
-            self._copy_model_grads_to_main_grads()
+            if not stub:
+                self._copy_model_grads_to_main_grads()
         with self._timer("optimizer-unscale-and-check-inf"):
             inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
-            grads = self._collect_main_grad_data_for_unscaling()
+            grads = [] if stub else self._collect_main_grad_data_for_unscaling()
             return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
 
     @contextlib.contextmanager

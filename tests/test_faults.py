@@ -528,3 +528,50 @@ def test_qkv_split_with_fewer_query_groups_than_tp_ranks_equals_reference():
     # One K and one V matrix, gathered from TP rank 1 (which holds all of them); Q from both.
     assert sorted(n.rsplit("[", 1)[1] for n in computed if "layers.0.self_attention.linear_qkv" in n) == [
         "k]", "q]", "v]"]
+
+
+# ---------------------------------------------------------------------------------------
+# The manifest on one process: per-item CRCs across read blocks, the command line
+# ---------------------------------------------------------------------------------------
+
+
+def test_item_checksums_do_not_depend_on_read_blocks(tmp_path, monkeypatch):
+    import hashlib
+    import os
+    import zlib
+
+    from megatron_muon import integrity
+
+    data = os.urandom(1000)
+    path = tmp_path / "f.distcp"
+    path.write_bytes(data)
+    items = [(0, 10, "a"), (10, 333, "b"), (400, 1, "c"), (401, 599, "d")]
+    for block in (7, 64, 1 << 20):
+        monkeypatch.setattr(integrity, "_BLOCK", block)
+        sha, size, crcs = integrity._hash_file(str(path), items)
+        assert sha == hashlib.sha256(data).hexdigest() and size == 1000
+        assert crcs == [zlib.crc32(data[o:o + n]) for o, n, _ in items], block
+
+
+def test_integrity_command_line(tmp_path, capsys):
+    from megatron_muon import integrity
+
+    (tmp_path / "a.bin").write_bytes(b"0123456789")
+    (tmp_path / "b.bin").write_bytes(b"abc")
+    assert integrity.main(["verify", str(tmp_path)]) == 1  # no manifest yet
+    assert "no integrity.json" in capsys.readouterr().err
+    assert integrity.main(["write", str(tmp_path)]) == 0
+    assert integrity.main(["verify", str(tmp_path)]) == 0
+    (tmp_path / "a.bin").write_bytes(b"0123456788")
+    assert integrity.main(["verify", str(tmp_path)]) == 1
+    assert "a.bin: contents changed" in capsys.readouterr().err
+    # Megatron-core's own verifier reads our manifest.
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+
+    (tmp_path / "a.bin").write_bytes(b"0123456789")
+    verify_integrity_manifest(str(tmp_path))
+    (tmp_path / "b.bin").unlink()
+    with pytest.raises(CheckpointingException, match="b.bin"):
+        verify_integrity_manifest(str(tmp_path))
+    assert integrity.main(["verify", str(tmp_path / "nope")]) == 2
