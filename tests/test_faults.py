@@ -123,6 +123,7 @@ def _non_finite_run():
                 out["cases"][(precision, target, where)] = dict(
                     ok=ok, norm=norm, unchanged=_unchanged(before, _snapshot(model, opt)),
                     scale=(scale, opt.get_loss_scale().item()),
+                    scales=[o.get_loss_scale().item() for o in opt.muon_optimizers],
                 )
         out[(precision, "skipped_steps")] = opt.skips.skipped_steps
         loss, ok = M.train_step(model, opt, batches[2], MBS, spec)
@@ -154,6 +155,7 @@ def test_non_finite_gradients_skip_everywhere_and_raise():
             assert result["norm"] is None, case
             assert result["unchanged"], f"{case}: params, masters or optimizer state changed"
             before, after = result["scale"]
+            assert set(result["scales"]) == {after}, f"{case}: dense and expert loss scales differ"
             if case[0] == "fp16":
                 assert after == before / 2, f"{case}: the loss scaler must back off"
             else:
