@@ -88,6 +88,13 @@ def gpt_block_spec(config, layer_spec, vp_stage: Optional[int] = None):
         get_num_layers_to_build,
     )
 
+    experts, ep = getattr(config, "num_moe_experts", None), getattr(config, "expert_model_parallel_size", 1)
+    if experts and experts % ep:
+        # Megatron's MoELayer asserts this with an empty message, once half the model is built.
+        raise ValueError(
+            f"num_moe_experts={experts} is not divisible by expert_model_parallel_size={ep}; "
+            f"use a multiple of {ep} experts or an expert-parallel size that divides {experts}."
+        )
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     norm = SequenceParallelNorm if not transformer_engine_available() else None
     if norm is None:

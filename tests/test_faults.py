@@ -201,6 +201,16 @@ def test_invalid_config_is_one_line_naming_the_field(kwargs, field):
     assert field in message and "\n" not in message, message
 
 
+def test_experts_not_divisible_by_expert_parallel_size_is_named():
+    import types
+
+    from megatron_muon.layer_specs import gpt_block_spec
+
+    config = types.SimpleNamespace(num_moe_experts=3, expert_model_parallel_size=2)
+    with pytest.raises(ValueError, match="num_moe_experts=3 is not divisible by expert_model_parallel_size=2"):
+        gpt_block_spec(config, None)
+
+
 def _early_errors_and_loss_scale():
     """In every rank (2 ranks, EP2)."""
     from megatron_muon import get_muon_optimizer
