@@ -474,6 +474,22 @@ def _megatron_lm_checkpoints(ckpt_root):
     dist.barrier()
     out["tracker_after_killed_save"] = tracked()
 
+    # An asynchronous save: the manifest comes with the finalize steps, after the writes.
+    from megatron.core.utils import unwrap_model
+
+    from megatron_muon.integrity import has_manifest, verify_manifest
+
+    async_dir = os.path.join(ckpt_root, "async")
+    os.makedirs(async_dir, exist_ok=True)
+    dist.barrier()
+    request = checkpointing.dist_checkpointing.save(
+        {"model": unwrap_model(model)[0].sharded_state_dict()}, async_dir, async_sharded_save=True,
+        async_strategy="mcore")
+    out["async_manifest_before_writes"] = has_manifest(async_dir)
+    request.execute_sync()
+    verify_manifest(async_dir)
+    out["async_manifest_after"] = has_manifest(async_dir)
+
     # Clean load of iteration 1 (the tracker's).
     out["loaded_iteration"] = checkpointing.load_checkpoint(model, opt, None)[0]
     # Bit flip in the middle of one data file: every rank fails, naming it.
@@ -497,6 +513,7 @@ def test_megatron_lm_save_and_load_checkpoint_carry_the_manifest(tmp_path):
         assert "__0_0.distcp" in r["manifest_files"] and ".metadata" in r["manifest_files"], r["manifest_files"]
         assert r["tracker_after_save"] == "1"
         assert r["killed"] and r["tracker_after_killed_save"] == "1"
+        assert not r["async_manifest_before_writes"] and r["async_manifest_after"]
         assert r["loaded_iteration"] == 1
         assert "__1_0.distcp: contents changed" in r["corrupt"], r["corrupt"]
     assert ranks[0]["corrupt"] == ranks[1]["corrupt"]
