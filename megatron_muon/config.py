@@ -63,6 +63,25 @@ class MuonConfig(OptimizerConfig):
     muon_use_torch_compile: bool = False
     """Compile the Newton–Schulz kernel with ``torch.compile`` (GPU only by default)."""
 
+    muon_variance_reduction: Optional[float] = None
+    """nanochat's variance reduction (NorMuon), with this beta2; None (default) = off. After
+    Newton–Schulz, on the owner of each whole logical matrix ``O`` (logical ``(out, in)``
+    orientation): ``v = mean(O**2)`` over the input dim if ``out >= in`` (one value per
+    row), else over the output dim (one per column); a second moment ``s`` of that shape
+    (zeros at first) becomes ``beta2 * s + (1 - beta2) * v``; the update is
+    ``O * rsqrt(max(s, 1e-10))``, rescaled to keep ``O``'s Frobenius norm. Then the update
+    scale. State: one fp32 vector per logical matrix, on its owner."""
+
+    muon_cautious_weight_decay: bool = False
+    """Cautious weight decay (nanochat): the decoupled decay ``lr * weight_decay * w`` of a
+    Muon matrix applies only where the update ``u`` and the weight agree in sign
+    (``u * w >= 0``, ``w`` before the step)."""
+
+    muon_cpu_offload: bool = False
+    """Keep the Muon momentum in (pinned, where CUDA is available) CPU memory; each
+    pipeline chunk brings its momentum to the device just before its gather and writes it
+    back right after, the copies overlapped with other chunks on a side stream."""
+
     # --- distribution -------------------------------------------------------------------
     muon_tp_mode: str = "exact"
     """'exact': each logical matrix is gathered whole (across its data- and tensor-parallel
@@ -141,6 +160,11 @@ class MuonConfig(OptimizerConfig):
             raise ValueError(f"MuonConfig.muon_num_ns_steps must be >= 1, got {self.muon_num_ns_steps}.")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"MuonConfig.muon_momentum must be in [0, 1), got {self.muon_momentum}.")
+        if self.muon_variance_reduction is not None and not 0.0 <= self.muon_variance_reduction < 1.0:
+            raise ValueError(
+                f"MuonConfig.muon_variance_reduction (beta2) must be in [0, 1) or None (off), "
+                f"got {self.muon_variance_reduction}."
+            )
         if self.muon_max_inflight_chunks < 1:
             raise ValueError("MuonConfig.muon_max_inflight_chunks must be >= 1.")
         if self.muon_ns_dtype not in (torch.bfloat16, torch.float32, torch.float16):
