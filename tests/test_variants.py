@@ -201,3 +201,47 @@ def test_second_moments_and_offload_survive_checkpoints(tmp_path, model, before,
     final_after = M.merge_canonical_states([r["final"] for r in loaded])
     err, key = max_rel_err(final_after, final_before, "fro")
     assert err <= 1e-5, f"after resuming, {key} differs from the uninterrupted run by {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------
+# Offload in every TP mode, and what stays on the device
+# ---------------------------------------------------------------------------------------
+TP_MODES = {
+    "blockwise": dict(muon_tp_mode="blockwise"),
+    "blockwise-offload": dict(muon_tp_mode="blockwise", muon_cpu_offload=True, muon_chunk_numel=3000),
+    "duplicated": dict(muon_tp_mode="duplicated"),
+    "duplicated-offload": dict(muon_tp_mode="duplicated", muon_cpu_offload=True, muon_chunk_numel=3000),
+    "duplicated-vr": dict(muon_tp_mode="duplicated", **VR),
+}
+
+
+def _tp_modes_and_residency(spec_kwargs):
+    """Train every TP-mode variant; then measure where the offloaded momentum lives."""
+    out = train(spec_kwargs, TP_MODES)
+    spec = M.TinyModelSpec(**spec_kwargs)
+    chunks, model, opt, sched = build(spec, muon_cpu_offload=True, muon_chunk_numel=3000)
+    peaks = []
+    for tokens in M.synthetic_batches(spec, GBS, 2):
+        M.train_step(model, opt, tokens, MBS, spec)
+        for o in opt.muon_optimizers:
+            chunk_bytes = max(c.numel for c in o.offload.chunks) * 4
+            peaks.append((o.offload.peak_device_bytes, chunk_bytes, o.offload.pool_bytes, o.offload.device_bytes))
+    out["residency"] = peaks
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_offload_in_every_tp_mode(references):
+    results = run_distributed(_tp_modes_and_residency, 4, DENSE, timeout_s=800, tp=2)
+    merged = {name: M.merge_canonical_states([r[name]["state"] for r in results]) for name in TP_MODES}
+    for mode in ("blockwise", "duplicated"):
+        err, key = max_rel_err(merged[f"{mode}-offload"], merged[mode], "fro")
+        assert err <= 1e-5, f"{mode}: offload changes {key} by {err:.2e}"
+    # duplicated is exact: it matches the reference, with and without variance reduction.
+    for name, ref in (("duplicated", "plain"), ("duplicated-vr", "vr")):
+        err, key = max_rel_err(merged[name], M.merge_canonical_states([references["dense"][ref][1]]), "fro")
+        assert err <= 1e-5, f"{name}: {key} differs from the reference by {err:.2e}"
+    for r in results:
+        for peak, chunk_bytes, pool_bytes, idle in r["residency"]:
+            assert idle == 0, "momentum left on the device after the step"
+            assert 0 < peak <= chunk_bytes < pool_bytes, (peak, chunk_bytes, pool_bytes)
