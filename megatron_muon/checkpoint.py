@@ -182,6 +182,8 @@ def load_optimizer_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], s
         tensors = param_state[name]
         state = opt.optimizer.state[main]
         for key in _state_keys(opt, param):
+            if key == SECOND_MOMENT and key not in tensors:
+                continue  # saved without variance reduction: the second moments start at 0
             flat = tensors[key].reshape(-1)[start:end].to(main.device)
             if key == "param":
                 main.copy_(flat)
@@ -191,8 +193,12 @@ def load_optimizer_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], s
                 state[key] = flat.clone()
         state["step"] = torch.tensor(float(step))
     if opt.second_moments is not None:
-        shards = [second_moments.get(id(m)) if m is not None else None for m in opt._shards]
-        opt.second_moments.load_expanded_shards(opt.pipeline, shards)
+        saved = any(SECOND_MOMENT in param_state[name] for name, _ in _params_in_order(opt))
+        if saved:  # the same answer on every rank: it comes from the checkpoint's common state
+            shards = [second_moments.get(id(m)) if m is not None else None for m in opt._shards]
+            opt.second_moments.load_expanded_shards(opt.pipeline, shards)
+        else:
+            opt.second_moments.state.clear()
     opt.state_loaded()
 
 
@@ -279,6 +285,13 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
         raise CheckpointError(f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}") from e
 
 
+def _has_second_moments(common: Dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved with variance reduction on (so holds second moments)."""
+    opt = common.get("optimizer")
+    config = opt.get("muon_config", {}) if isinstance(opt, dict) else {}
+    return config.get("muon_variance_reduction") is not None
+
+
 def load_checkpoint(
     checkpoint_dir: str,
     model: List[torch.nn.Module],
@@ -311,6 +324,9 @@ def load_checkpoint(
     state: Dict[str, Any] = {"model": model_sd, "extra": {}}
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        if not _has_second_moments(common):
+            for entry in state["optimizer"]["param_state"].values():
+                entry.pop(SECOND_MOMENT, None)  # variance reduction turned on: they start at 0
     same_world = common.get("world_size") == dist.get_world_size()
     if per_rank and same_world:
         state["per_rank"] = _per_rank_object(None)
@@ -331,7 +347,10 @@ def load_checkpoint(
             f"{checkpoint_dir} lacks {len(absent)} tensors this model and optimizer need, e.g. "
             f"{absent[:3]}: the checkpoint was saved for a different model config or optimizer."
         )
-    skipped = ("_extra_state", "per_rank_state") + (() if load_optimizer else ("optimizer.",))
+    # Second moments of a run with variance reduction are simply not used when it is off.
+    skipped = ("_extra_state", "per_rank_state", f"optimizer.state.{SECOND_MOMENT}.") + (
+        () if load_optimizer else ("optimizer.",)
+    )
     unused = sorted(k for k in unused if not any(s in k for s in skipped))
     if unused:
         raise CheckpointError(

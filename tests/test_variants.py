@@ -245,3 +245,29 @@ def test_offload_in_every_tp_mode(references):
         for peak, chunk_bytes, pool_bytes, idle in r["residency"]:
             assert idle == 0, "momentum left on the device after the step"
             assert 0 < peak <= chunk_bytes < pool_bytes, (peak, chunk_bytes, pool_bytes)
+
+
+@pytest.mark.timeout(900)
+def test_variance_reduction_switched_on_or_off_at_a_checkpoint(tmp_path):
+    """Saved with it, loaded without (the second moments are left unused), and the reverse
+    (they start at zero, as in a fresh run); muon-to-adam conversion drops them."""
+    from megatron_muon import convert
+
+    with_vr, without = str(tmp_path / "with_vr"), str(tmp_path / "without")
+    saved = run_distributed(_save_then_continue, 2, DENSE, with_vr, VR, timeout_s=600)
+    loaded = run_distributed(_load_then_continue, 2, DENSE, with_vr, {}, timeout_s=600)
+    before = M.merge_canonical_states([r["state"] for r in saved])
+    after = M.merge_canonical_states([r["state"] for r in loaded])
+    assert set(after) == {k for k in before if ".second_moment." not in k}
+    for key in after:
+        assert torch.equal(before[key], after[key]), key
+
+    run_distributed(_save_then_continue, 2, DENSE, without, {}, timeout_s=600)
+    loaded = run_distributed(_load_then_continue, 2, DENSE, without, VR, timeout_s=600)
+    state = M.merge_canonical_states([r["state"] for r in loaded])
+    moments = [v for k, v in state.items() if ".second_moment." in k]
+    assert moments and all(bool((m == 0).all()) for m in moments)
+
+    adam = str(tmp_path / "adam")
+    run_distributed(convert.muon_to_adam, 1, with_vr, adam, timeout_s=300)
+    assert not any(".second_moment." in k for k in convert.read_checkpoint(adam).tensors)
