@@ -93,12 +93,17 @@ class OffloadedMomentum:
     def _check_coverage(self, shards: Sequence[Optional[torch.Tensor]]) -> None:
         """Every element of every held shard is in exactly one range (else the momentum of
         some element would be updated twice or never)."""
-        covered = [torch.zeros(s.numel(), dtype=torch.int32) if s is not None else None for s in shards]
+        by_param: Dict[int, List[Tuple[int, int]]] = {}
         for chunk in self.chunks:
             for p, s, e in chunk.ranges:
-                covered[p][s:e] += 1
-        for p, c in enumerate(covered):
-            if c is not None and c.numel() and not bool((c == 1).all()):
+                by_param.setdefault(p, []).append((s, e))
+        for p, shard in enumerate(shards):
+            end = 0
+            for s, e in sorted(by_param.get(p, [])):
+                if s != end:
+                    break
+                end = e
+            if shard is not None and end != shard.numel():
                 raise NotImplementedError(
                     "muon_cpu_offload: the plan's gather pieces of a Muon shard overlap or leave gaps; "
                     "run without --muon-cpu-offload for this layout."

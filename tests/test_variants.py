@@ -271,3 +271,43 @@ def test_variance_reduction_switched_on_or_off_at_a_checkpoint(tmp_path):
     adam = str(tmp_path / "adam")
     run_distributed(convert.muon_to_adam, 1, with_vr, adam, timeout_s=300)
     assert not any(".second_moment." in k for k in convert.read_checkpoint(adam).tensors)
+
+
+def _per_rank_state_dict_across_offload():
+    """state_dict() of an optimizer with offload loads into one without, and back; the
+    continued training is the same as without the round trip."""
+    import copy
+
+    spec = M.TinyModelSpec(**DENSE)
+    batches = M.synthetic_batches(spec, GBS, 4)
+    configs = [dict(VR, muon_cpu_offload=True, muon_chunk_numel=3000), dict(VR)]
+    out = {}
+    for first, second in (configs, configs[::-1]):
+        runs = []
+        for resume in (False, True):
+            chunks, model, opt, sched = build(spec, **first)
+            _steps(model, opt, sched, spec, batches[:2])
+            if resume:
+                saved = copy.deepcopy(opt.state_dict())
+                chunks2, model2, opt2, sched2 = build(spec, **second)
+                for a, b in zip(chunks2, chunks):
+                    a.load_state_dict(b.state_dict())
+                opt2.load_state_dict(saved)
+                sched2.step(2)
+                chunks, model, opt, sched = chunks2, model2, opt2, sched2
+            _steps(model, opt, sched, spec, batches[2:])
+            runs.append((M.gather_canonical_state(chunks), _offload_facts(opt)))
+        out[bool(first.get("muon_cpu_offload"))] = runs
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_per_rank_state_dict_across_offload():
+    results = run_distributed(_per_rank_state_dict_across_offload, 2, timeout_s=500)
+    for offload_first in (True, False):
+        straight = M.merge_canonical_states([r[offload_first][0][0] for r in results])
+        resumed = M.merge_canonical_states([r[offload_first][1][0] for r in results])
+        err, key = max_rel_err(resumed, straight, "fro")
+        assert err <= 1e-6, f"offload first={offload_first}: {key} differs by {err:.2e}"
+        for r in results:
+            assert r[offload_first][1][1]["momentum_in_pool"] and r[offload_first][1][1]["device_bytes"] == 0
