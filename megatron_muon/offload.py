@@ -25,6 +25,7 @@ later sends reuse that chunk's piece.
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -136,7 +137,7 @@ class OffloadedMomentum:
 
     # ------------------------------------------------------------------ the step
     def _side(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else _NullContext()
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
 
     def _record(self) -> Optional[torch.cuda.Event]:
         if self.stream is None:
@@ -203,11 +204,3 @@ class OffloadedMomentum:
         self.staging = None
         self._fetched.clear()
         self._kept = {}
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
