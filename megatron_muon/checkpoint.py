@@ -43,6 +43,9 @@ FORMAT = "megatron_muon/1"
 # torch's distributed-checkpoint errors derive from BaseException, not Exception.
 _READ_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
 MUON_KEYS = ("momentum_buffer",)
+SECOND_MOMENT = "second_moment"
+"""Variance reduction's factored second moment, saved expanded to the parameter's shape
+(each element holds its row's or column's value) so that it reshards like the rest."""
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 
@@ -71,17 +74,31 @@ def _model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
 
 
 def _state_keys(opt, param) -> tuple:
-    return ("param",) + (MUON_KEYS if id(param) in opt.muon_param_ids else ADAM_KEYS)
+    if id(param) not in opt.muon_param_ids:
+        return ("param",) + ADAM_KEYS
+    return ("param",) + MUON_KEYS + ((SECOND_MOMENT,) if opt.second_moments is not None else ())
 
 
-def _local_state(opt, param, key: str) -> Optional[torch.Tensor]:
-    """This rank's 1-D shard of one state of ``param`` (zeros if not yet allocated)."""
+def _expanded_second_moments(opt) -> Dict[int, torch.Tensor]:
+    """id(master shard) -> this rank's piece of the expanded second moment (collective
+    over the orthogonalization group: the owners scatter them)."""
+    if opt.second_moments is None:
+        return {}
+    pieces = opt.second_moments.expanded_shards(opt.pipeline, opt._shards)
+    return {id(main): piece for main, piece in zip(opt._shards, pieces) if main is not None}
+
+
+def _local_state(opt, param, key: str, derived: Optional[Dict[int, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+    """This rank's 1-D shard of one state of ``param`` (zeros if not yet allocated);
+    ``derived``: states not kept per shard (the expanded second moments), by id(main)."""
     held = opt.shard_of(param)
     if held is None:
         return None
     main, _, _ = held
     if key == "param":
         return main
+    if key == SECOND_MOMENT:
+        return derived[id(main)]
     state = opt.optimizer.state.get(main, {})
     value = state.get(key)
     return value if value is not None else torch.zeros_like(main, dtype=torch.float32)
@@ -92,6 +109,7 @@ def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     """Every param of ``opt``'s buffers -> {state key: full TP-local tensor}, all-gathered
     over the data-parallel group bucket by bucket (one collective per bucket and key)."""
     out: Dict[int, Dict[str, torch.Tensor]] = {}
+    derived = _expanded_second_moments(opt)
     for gbuf_idx, buffer in enumerate(opt.buffers):
         group = buffer.data_parallel_group
         size = group.size()
@@ -104,7 +122,7 @@ def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
                 local = torch.zeros(numel // size, dtype=torch.float32, device=bucket.grad_data.device)
                 for param, rng in param_map.items():
                     if key in _state_keys(opt, param):
-                        local[rng["gbuf_local"].start : rng["gbuf_local"].end] = _local_state(opt, param, key)
+                        local[rng["gbuf_local"].start : rng["gbuf_local"].end] = _local_state(opt, param, key, derived)
                 world = torch.empty(numel, dtype=torch.float32, device=local.device)
                 if size > 1:
                     dist.all_gather_into_tensor(world, local, group=group)
@@ -162,7 +180,10 @@ def optimizer_sharded_state(opt, model_sharded_state_dict, is_loading: bool) -> 
 
 @torch.no_grad()
 def load_optimizer_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
-    """Put loaded model-coordinate tensors back into ``opt``'s shards and optimizer state."""
+    """Put loaded model-coordinate tensors back into ``opt``'s shards and optimizer state
+    (collective over the orthogonalization group with variance reduction: the owners
+    gather their matrices' second moments)."""
+    second_moments: Dict[int, torch.Tensor] = {}
     for name, param in _params_in_order(opt):
         held = opt.shard_of(param)
         if held is None:
@@ -171,12 +192,24 @@ def load_optimizer_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], s
         tensors = param_state[name]
         state = opt.optimizer.state[main]
         for key in _state_keys(opt, param):
+            if key == SECOND_MOMENT and key not in tensors:
+                continue  # saved without variance reduction: the second moments start at 0
             flat = tensors[key].reshape(-1)[start:end].to(main.device)
             if key == "param":
                 main.copy_(flat)
+            elif key == SECOND_MOMENT:
+                second_moments[id(main)] = flat.clone()
             else:
                 state[key] = flat.clone()
         state["step"] = torch.tensor(float(step))
+    if opt.second_moments is not None:
+        saved = any(SECOND_MOMENT in param_state[name] for name, _ in _params_in_order(opt))
+        if saved:  # the same answer on every rank: it comes from the checkpoint's common state
+            shards = [second_moments.get(id(m)) if m is not None else None for m in opt._shards]
+            opt.second_moments.load_expanded_shards(opt.pipeline, shards)
+        else:
+            opt.second_moments.state.clear()
+    opt.state_loaded()
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,6 +312,13 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
         raise CheckpointError(f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}") from e
 
 
+def _has_second_moments(common: Dict[str, Any]) -> bool:
+    """Whether the checkpoint was saved with variance reduction on (so holds second moments)."""
+    opt = common.get("optimizer")
+    config = opt.get("muon_config", {}) if isinstance(opt, dict) else {}
+    return config.get("muon_variance_reduction") is not None
+
+
 def load_checkpoint(
     checkpoint_dir: str,
     model: List[torch.nn.Module],
@@ -319,6 +359,9 @@ def load_checkpoint(
     state: Dict[str, Any] = {"model": model_sd, "extra": {}}
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        if not _has_second_moments(common):
+            for entry in state["optimizer"]["param_state"].values():
+                entry.pop(SECOND_MOMENT, None)  # variance reduction turned on: they start at 0
     same_world = common.get("world_size") == dist.get_world_size()
     if per_rank and same_world:
         state["per_rank"] = _per_rank_object(None)
@@ -339,7 +382,10 @@ def load_checkpoint(
             f"{checkpoint_dir} lacks {len(absent)} tensors this model and optimizer need, e.g. "
             f"{absent[:3]}: the checkpoint was saved for a different model config or optimizer."
         )
-    skipped = ("_extra_state", "per_rank_state") + (() if load_optimizer else ("optimizer.",))
+    # Second moments of a run with variance reduction are simply not used when it is off.
+    skipped = ("_extra_state", "per_rank_state", f"optimizer.state.{SECOND_MOMENT}.") + (
+        () if load_optimizer else ("optimizer.",)
+    )
     unused = sorted(k for k in unused if not any(s in k for s in skipped))
     if unused:
         raise CheckpointError(

@@ -64,6 +64,25 @@ class MuonConfig(OptimizerConfig):
     muon_use_torch_compile: bool = False
     """Compile the Newton–Schulz kernel with ``torch.compile`` (GPU only by default)."""
 
+    muon_variance_reduction: Optional[float] = None
+    """nanochat's variance reduction (NorMuon), with this beta2; None (default) = off. After
+    Newton–Schulz, on the owner of each whole logical matrix ``O`` (logical ``(out, in)``
+    orientation): ``v = mean(O**2)`` over the input dim if ``out >= in`` (one value per
+    row), else over the output dim (one per column); a second moment ``s`` of that shape
+    (zeros at first) becomes ``beta2 * s + (1 - beta2) * v``; the update is
+    ``O * rsqrt(max(s, 1e-10))``, rescaled to keep ``O``'s Frobenius norm. Then the update
+    scale. State: one fp32 vector per logical matrix, on its owner."""
+
+    muon_cautious_weight_decay: bool = False
+    """Cautious weight decay (nanochat): the decoupled decay ``lr * weight_decay * w`` of a
+    Muon matrix applies only where the update ``u`` and the weight agree in sign
+    (``u * w >= 0``, ``w`` before the step)."""
+
+    muon_cpu_offload: bool = False
+    """Keep the Muon momentum in (pinned, where CUDA is available) CPU memory; each
+    pipeline chunk brings its momentum to the device just before its gather and writes it
+    back right after, the copies overlapped with other chunks on a side stream."""
+
     # --- distribution -------------------------------------------------------------------
     muon_tp_mode: str = "exact"
     """'exact': each logical matrix is gathered whole (across its data- and tensor-parallel
@@ -188,6 +207,9 @@ def config_problems(cfg: MuonConfig):
             yield f"{name}={value!r} is invalid; use a finite number {'>' if name == 'loss_scale' else '>='} 0 (or None)."
     if not (isinstance(cfg.muon_momentum, (int, float)) and 0.0 <= cfg.muon_momentum < 1.0):
         yield f"muon_momentum={cfg.muon_momentum!r} is invalid; use a number in [0, 1)."
+    vr = cfg.muon_variance_reduction
+    if vr is not None and (isinstance(vr, bool) or not isinstance(vr, (int, float)) or not 0.0 <= vr < 1.0):
+        yield f"muon_variance_reduction={vr!r} is invalid; use beta2 in [0, 1), or None (off)."
     for name in ("adam_beta1", "adam_beta2"):
         value = getattr(cfg, name)
         if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):

@@ -8,7 +8,10 @@ to a temporary directory renamed into place at the end.
 Key conventions (both Megatron's ``fully_reshardable`` distributed optimizer and ours):
 model tensors under their model key; optimizer state under
 ``optimizer.state.<state>.<model key>`` with ``<state>`` in ``param`` (fp32 master),
-``exp_avg`` / ``exp_avg_sq`` (AdamW) and ``momentum_buffer`` (Muon).
+``exp_avg`` / ``exp_avg_sq`` (AdamW) and ``momentum_buffer`` (Muon), plus ``second_moment``
+(Muon with variance reduction: the factored second moment expanded to the parameter's
+shape). Converting to Muon writes no second moments: a Muon run with variance reduction
+that loads such a checkpoint starts them at zero, as a fresh run does.
 """
 
 from __future__ import annotations
@@ -198,6 +201,7 @@ def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9)
     converted = 0
     for key in model_keys(ckpt):
         m = ckpt.tensors.pop(_state_key("momentum_buffer", key), None)
+        ckpt.tensors.pop(_state_key("second_moment", key), None)  # variance reduction's: AdamW has none
         if m is None:
             continue
         ckpt.tensors[_state_key("exp_avg", key)] = (1 - beta1) * m if exp_avg == "momentum" else torch.zeros_like(m)

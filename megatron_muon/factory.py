@@ -67,7 +67,10 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
     if config.use_precision_aware_optimizer:
         raise NotImplementedError("get_muon_optimizer: use_precision_aware_optimizer is not supported.")
     if config.optimizer_cpu_offload:
-        raise NotImplementedError("get_muon_optimizer: optimizer_cpu_offload is not supported.")
+        raise NotImplementedError(
+            "get_muon_optimizer: Megatron's optimizer_cpu_offload is not supported; set "
+            "MuonConfig.muon_cpu_offload=True (--muon-cpu-offload) to keep the Muon momentum on the CPU."
+        )
 
 
 def _grad_scaler(config: MuonConfig):

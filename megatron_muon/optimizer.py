@@ -39,6 +39,8 @@ from .pipeline import MuonPipeline
 from .planner import Plan, build_plan, plan_statistics
 from .process_groups import build_ortho_group
 from .qk_clip import QKClip
+from .offload import OffloadedMomentum
+from .variants import SecondMoments, apply_update_
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +161,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
         self.plan, self.pipeline = self._build_pipeline(tp_group)
         self._shards = self._muon_shards()
+        self.offload: Optional[OffloadedMomentum] = None
+        """The CPU pool of the Muon momentum (``muon_cpu_offload``)."""
+        if config.muon_cpu_offload:
+            self.offload = OffloadedMomentum(self.pipeline, self._shards, self.pipeline.device)
+        self.second_moments: Optional[SecondMoments] = None
+        """Variance reduction's factored second moments of the matrices this rank owns."""
+        if config.muon_variance_reduction is not None:
+            storage = torch.device("cpu") if self.offload is not None else None
+            self.second_moments = SecondMoments(config.muon_variance_reduction, self.pipeline.device, storage)
+            self.pipeline.after_newton_schulz = self.second_moments
         optimizer.muon_step = self._muon_step
 
     # ------------------------------------------------------------------ construction
@@ -298,6 +310,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         for group in groups:
             for p in group["params"]:
                 hyper[id(p)] = (group["lr"], group["weight_decay"])
+        if self.offload is not None:
+            self.offload.adopt(self.optimizer.state, self._shards)
         mains, grads, bufs, steps = [], [], [], []
         for main in self._shards:
             if main is None or main.grad is None:
@@ -310,29 +324,40 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             grads.append(main.grad)
             bufs.append(state["momentum_buffer"])
             steps.append(state["step"])
-        if bufs:
+        if steps:
             torch._foreach_add_(steps, 1.0)
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, grads)
-            inputs_list = torch._foreach_add(grads, bufs, alpha=mu) if cfg.muon_nesterov else bufs
+        if self.offload is not None:
+            # The momentum stays in the CPU pool: each chunk updates its own ranges on the
+            # device as the pipeline launches it.
+            inputs = self.offload.begin([m.grad if m is not None else None for m in self._shards], mu, cfg.muon_nesterov)
         else:
-            inputs_list = []
-        by_main = {id(m): x for m, x in zip(mains, inputs_list)}
-        inputs = [by_main.get(id(m)) if m is not None else None for m in self._shards]
+            if bufs:
+                torch._foreach_mul_(bufs, mu)
+                torch._foreach_add_(bufs, grads)
+                inputs_list = torch._foreach_add(grads, bufs, alpha=mu) if cfg.muon_nesterov else bufs
+            else:
+                inputs_list = []
+            by_main = {id(m): x for m, x in zip(mains, inputs_list)}
+            inputs = [by_main.get(id(m)) if m is not None else None for m in self._shards]
 
+        cautious = cfg.muon_cautious_weight_decay
         for main in mains:
             lr, wd = hyper[id(main)]
-            if wd != 0.0:
+            if wd != 0.0 and not cautious:  # cautious decay needs the update: in apply
                 main.mul_(1.0 - lr * wd)
 
         shards = self._shards
 
         def apply(param_index: int, start: int, end: int, update: torch.Tensor) -> None:
             main = shards[param_index]
-            lr = hyper[id(main)][0]
-            main[start:end].add_(update.to(main.dtype), alpha=-lr)
+            lr, wd = hyper[id(main)]
+            apply_update_(main[start:end], update, lr, wd, cautious)
 
-        self.pipeline.run(inputs, apply, self.while_first_gather_in_flight)
+        try:
+            self.pipeline.run(inputs, apply, self.while_first_gather_in_flight)
+        finally:
+            if self.offload is not None:
+                self.offload.finish()
         if self.qk_clip is not None:
             self.qk_clip.apply(self.shard_of)
 
@@ -364,6 +389,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             "plan": self.plan.fingerprint(),
             "kind": "megatron_muon.MuonDistributedOptimizer",
         }
+        if self.second_moments is not None:
+            state["second_moments"] = {k: v.clone() for k, v in self.second_moments.state.items()}
         if self.grad_scaler:
             state["grad_scaler"] = self.grad_scaler.state_dict()
         return state
@@ -387,6 +414,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         if self.grad_scaler and "grad_scaler" in state_dict:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         self._shards = self._muon_shards()
+        if self.second_moments is not None:
+            saved = state_dict.get("second_moments", {})
+            self.second_moments.state = {k: v.to(self.second_moments.storage) for k, v in saved.items()}
+        self.state_loaded()
+
+    def state_loaded(self) -> None:
+        """After any load: move the loaded momentum into the CPU pool (``muon_cpu_offload``),
+        so that no Muon optimizer state stays on the device between steps."""
+        if self.offload is not None:
+            self.offload.adopt(self.optimizer.state, self._shards)
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         raise NotImplementedError(

@@ -27,8 +27,9 @@ from __future__ import annotations
 import math
 
 from collections import defaultdict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,14 @@ from .planner import Chunk, Job, Plan, Segment
 
 UpdateFn = Callable[[int, int, int, torch.Tensor], None]
 """``apply(param_index, local_start, local_end, update)`` for one received update piece."""
+
+PiecesFn = Callable[["_ChunkComm"], List[torch.Tensor]]
+"""``pieces(comm)``: this rank's gather inputs of one chunk, one tensor per entry of
+``comm.gather_send`` (used by the CPU offload, which produces them chunk by chunk)."""
+
+AfterNewtonSchulz = Callable[[Sequence[Tuple[Job, int]], torch.Tensor], torch.Tensor]
+"""``hook(members, stack)``: transforms a stack of orthogonalized matrices (``members[i]`` =
+(job, column group) of ``stack[i]``) before the update scale (variance reduction)."""
 
 
 @dataclass
@@ -106,6 +115,7 @@ class MuonPipeline:
         self.traffic: Dict[str, int] = defaultdict(int)
         self.computed: List[str] = []
         """Names of the matrices this rank orthogonalized in the last step."""
+        self.after_newton_schulz: Optional[AfterNewtonSchulz] = None
 
     # ---------------------------------------------------------------- plan -> messages
     def _chunk_comm(self, chunk: Chunk) -> _ChunkComm:
@@ -173,10 +183,16 @@ class MuonPipeline:
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=g.group, async_op=True)
         return _Pending(recv, work)
 
-    def launch_gather(self, comm: _ChunkComm, inputs: Sequence[Optional[torch.Tensor]]) -> _Pending:
+    def launch_gather(
+        self,
+        comm: _ChunkComm,
+        inputs: Union[Sequence[Optional[torch.Tensor]], PiecesFn],
+        dtype: Optional[torch.dtype] = None,
+    ) -> _Pending:
         self._event("launch_gather", comm)
-        parts = [inputs[p][s:e] for p, s, e in comm.gather_send]
-        send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
+        dtype = dtype or self.comm_dtype
+        parts = inputs(comm) if callable(inputs) else [inputs[p][s:e] for p, s, e in comm.gather_send]
+        send = torch.cat(parts).to(dtype) if parts else self._empty(dtype)
         return self._exchange(
             "muon_gather", send, comm.gather_send_splits, comm.gather_recv_splits, comm.gather_remote
         )
@@ -217,17 +233,22 @@ class MuonPipeline:
         for members in by_shape.values():
             stack = torch.stack([matrices[i][k] for i, k in members])
             ortho = newton_schulz(stack, self.ns_steps, self.coefficients, self.ns_dtype)
+            if self.after_newton_schulz is not None:
+                ortho = self.after_newton_schulz([(comm.owned[i], k) for i, k in members], ortho)
             scales = [self.scales[comm.owned[i].index] for i, _ in members]
             ortho = ortho * torch.tensor(scales, dtype=ortho.dtype, device=ortho.device).view(-1, 1, 1)
             for row, (i, k) in enumerate(members):
                 outputs[i][k] = ortho[row]
         return outputs
 
-    def launch_scatter(self, comm: _ChunkComm, outputs: List[List[torch.Tensor]]) -> _Pending:
+    def launch_scatter(
+        self, comm: _ChunkComm, outputs: List[List[torch.Tensor]], dtype: Optional[torch.dtype] = None
+    ) -> _Pending:
         self._event("launch_scatter", comm)
+        dtype = dtype or self.comm_dtype
         flat_pieces = [self._split_pieces(job, out) for job, out in zip(comm.owned, outputs)]
         parts = [flat_pieces[j][tp][o : o + n] for j, tp, o, n in comm.scatter_send]
-        send = torch.cat(parts).to(self.comm_dtype) if parts else self._empty()
+        send = torch.cat(parts).to(dtype) if parts else self._empty(dtype)
         return self._exchange(
             "muon_scatter", send, comm.scatter_send_splits, comm.scatter_recv_splits, comm.scatter_remote
         )
@@ -260,18 +281,53 @@ class MuonPipeline:
         for param_index, start, end, offset in comm.scatter_apply:
             apply(param_index, start, end, recv[offset : offset + end - start])
 
-    def _empty(self) -> torch.Tensor:
-        return torch.empty(0, dtype=self.comm_dtype, device=self.device)
+    def _empty(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return torch.empty(0, dtype=dtype or self.comm_dtype, device=self.device)
+
+    # ---------------------------------------------------------------- outside the step
+    @contextmanager
+    def _off_step(self) -> Iterator[None]:
+        """State movement between steps is neither step traffic nor a step event."""
+        traffic, events = dict(self.traffic), len(self.events)
+        try:
+            yield
+        finally:
+            self.traffic.clear()
+            self.traffic.update(traffic)
+            del self.events[events:]
+
+    def gather_whole(
+        self, inputs: Sequence[Optional[torch.Tensor]], dtype: torch.dtype = torch.float32
+    ) -> Iterator[Tuple[Job, List[torch.Tensor]]]:
+        """Collective, outside the step: each holder's flat shard pieces of ``inputs``
+        (shaped like the parameter shards) travel to the owners as in the step's gather,
+        but in ``dtype`` (fp32: optimizer state, not a step's momentum) and chunk by chunk
+        without overlap; yields every owned ``(job, matrices)`` (storage orientation)."""
+        with self._off_step():
+            for comm in self.comms:
+                recv = self.complete_gather(comm, self.launch_gather(comm, inputs, dtype))
+                yield from zip(comm.owned, recv)
+
+    def scatter_whole(
+        self, outputs: Callable[[Job], List[torch.Tensor]], apply: UpdateFn, dtype: torch.dtype = torch.float32
+    ) -> None:
+        """Collective, outside the step: the reverse of :meth:`gather_whole`; ``outputs(job)``
+        gives an owned job's matrices, ``apply`` receives every piece this rank holds."""
+        with self._off_step():
+            for comm in self.comms:
+                pending = self.launch_scatter(comm, [outputs(job) for job in comm.owned], dtype)
+                self.update(comm, self.complete_scatter(comm, pending), apply)
 
     # ---------------------------------------------------------------- orchestrator
     def run(
         self,
-        inputs: Sequence[Optional[torch.Tensor]],
+        inputs: Union[Sequence[Optional[torch.Tensor]], PiecesFn],
         apply: UpdateFn,
         while_first_gather_in_flight: Optional[Callable[[], None]] = None,
     ) -> None:
         """One orthogonalization step. ``inputs[p]``: this rank's 1-D shard of the
-        momentum (Nesterov) of param ``p`` (None where this rank holds nothing).
+        momentum (Nesterov) of param ``p`` (None where this rank holds nothing); or a
+        ``PiecesFn`` that produces each chunk's pieces when the chunk is launched.
         ``while_first_gather_in_flight`` runs after the first gathers are launched and
         before the first is waited on (the expert batch hides communication there)."""
         self.computed = []

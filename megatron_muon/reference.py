@@ -30,6 +30,13 @@ One ``ReferenceMuon.step()``, all fp32 on full tensors:
    ``buf``; each logical matrix ``M`` (logical ``(out, in)`` orientation) of ``u`` is
    replaced by ``newton_schulz(M) * update_scale(config, out, in)``; then
    ``p *= 1 - lr * wd``; ``p -= lr * update``.
+   With ``muon_variance_reduction = beta2`` (nanochat / NorMuon), ``newton_schulz(M)`` =
+   ``O`` is first reweighted: per row of ``O`` if ``out >= in`` (else per column), the
+   mean square ``v`` feeds ``s = beta2 * s + (1 - beta2) * v`` (``s`` starts at 0, one per
+   logical matrix), ``O`` is multiplied by ``1 / sqrt(max(s, 1e-10))`` along that axis
+   and then rescaled to its former Frobenius norm. With ``muon_cautious_weight_decay``
+   the decay ``lr * wd * p`` only touches entries where ``update * p >= 0`` (``p``
+   before the step).
 5. AdamW for the rest, exactly ``torch.optim.AdamW``'s (single-tensor) arithmetic.
 6. ``lr`` = ``config.lr`` (or ``self.lr``, or ``step(lr=...)``); ``wd`` =
    ``config.weight_decay * wd_mult``, ``wd_mult`` = 0 for 1-D params and ``*.bias``,
@@ -148,15 +155,31 @@ def logical_matrices(
     return [LogicalMatrix(shape, (slice(None),))]
 
 
-def orthogonalized_update(u: torch.Tensor, matrices: List[LogicalMatrix], config: MuonConfig) -> torch.Tensor:
-    """Newton–Schulz of each logical matrix of ``u``, times its update scale."""
+def normuon(o: torch.Tensor, moment: Optional[torch.Tensor], beta2: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Variance reduction of one orthogonalized ``(out, in)`` matrix: returns the
+    reweighted matrix and the new second moment (a vector over rows or columns)."""
+    by_row = o.shape[0] >= o.shape[1]
+    v = (o * o).mean(dim=1 if by_row else 0)
+    moment = (1 - beta2) * v if moment is None else beta2 * moment + (1 - beta2) * v
+    weight = 1.0 / moment.clamp(min=1e-10).sqrt()
+    scaled = o * (weight[:, None] if by_row else weight[None, :])
+    return scaled * (o.norm() / scaled.norm().clamp(min=1e-10)), moment
+
+
+def orthogonalized_update(
+    u: torch.Tensor, matrices: List[LogicalMatrix], config: MuonConfig, moments: Optional[list] = None
+) -> torch.Tensor:
+    """Newton–Schulz of each logical matrix of ``u`` (variance-reduced if configured, with
+    ``moments[i]`` the i-th matrix's second moment), times its update scale."""
     out = torch.empty_like(u)
-    for lm in matrices:
+    for i, lm in enumerate(matrices):
         m = lm.read(u)
         o = newton_schulz(
             m, steps=config.muon_num_ns_steps, coefficients=config.muon_coefficient_type,
             compute_dtype=config.muon_ns_dtype,
         )
+        if config.muon_variance_reduction is not None:
+            o, moments[i] = normuon(o.float(), moments[i], config.muon_variance_reduction)
         lm.write(out, o * update_scale(config, m.shape[0], m.shape[1]))
     return out
 
@@ -175,8 +198,13 @@ def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig)
     mu = config.muon_momentum
     buf.mul_(mu).add_(g)
     u = g + mu * buf if config.muon_nesterov else buf
-    update = orthogonalized_update(u, matrices, config)
-    p.mul_(1 - lr * wd).add_(update, alpha=-lr)
+    moments = state.setdefault("second_moment", [None] * len(matrices))
+    update = orthogonalized_update(u, matrices, config, moments)
+    if config.muon_cautious_weight_decay:
+        decay = lr * wd * p * ((update * p) >= 0)
+        p.sub_(decay + lr * update)
+    else:
+        p.mul_(1 - lr * wd).add_(update, alpha=-lr)
 
 
 def adamw_update(p, g, state, lr: float, wd: float, config: MuonConfig) -> None:

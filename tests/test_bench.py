@@ -16,7 +16,7 @@ import pytest
 
 from tools.bench import config_reference, newton_schulz, optimizer_step, overlap_trace, plots, run_all, scale_model
 
-PEERS = "megatron_adamw,megatron_muon_duplicated,ours_exact,ours_blockwise"
+PEERS = "megatron_adamw,megatron_muon_duplicated,ours_exact,ours_blockwise,ours_exact_offload"
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +47,19 @@ def test_optimizer_step_outputs(out, measured):
     # Muon keeps one fp32 momentum per matrix element where AdamW keeps two moments.
     assert measured["peers"]["ours_exact"]["memory_max"] < measured["peers"]["megatron_adamw"]["memory_max"]
     errors = measured["errors"]
-    assert set(errors) == {"megatron_muon_duplicated", "ours_exact", "ours_blockwise"}
+    assert set(errors) == {"megatron_muon_duplicated", "ours_exact", "ours_blockwise", "ours_exact_offload"}
     for name, e in errors.items():
         assert all(_positive(e[k]) for k in ("vs_polar_mean", "vs_polar_max", "vs_ns_mean", "vs_ns_max")), name
     # Exact methods match full-matrix Newton–Schulz up to bf16 rounding; blockwise does not.
     assert errors["ours_exact"]["vs_ns_max"] < 0.15 and errors["megatron_muon_duplicated"]["vs_ns_max"] < 0.15
     assert errors["ours_blockwise"]["vs_ns_mean"] > 5 * errors["ours_exact"]["vs_ns_mean"]
+    # CPU offload: no Muon state on the device between steps, at most one chunk's during a
+    # step (tests/test_variants.py checks that bound with many small chunks).
+    off, on = measured["peers"]["ours_exact_offload"], measured["peers"]["ours_exact"]
+    assert off["muon_state_max"]["device_idle"] == 0
+    assert 0 < off["muon_state_max"]["device_step_peak"] <= off["muon_state_max"]["largest_chunk"]
+    assert off["muon_state_max"]["offloaded"] == on["muon_state_max"]["device_idle"]
+    assert _positive(off["step_ratio_to_offload_off"])
 
 
 @pytest.mark.timeout(300)

@@ -77,3 +77,18 @@ def test_read_metrics_summarize_and_table(tmp_path):
     text = table({"adam": s, "muon": never}, eval_interval=12)
     assert "| AdamW | 0.01 | 5.2500 | 5.0000 | 5.0000 | 200 | 6 of 12 |" in text
     assert "| Muon |" in text and "not reached" in text and "every 12 iterations" in text
+
+
+def test_variants_are_driver_flags(tmp_path):
+    """Every --variants entry adds a Muon run whose extra flags the driver accepts."""
+    from megatron_muon.megatron_lm import arguments, optim
+    from tools.compare_optimizers import VARIANTS, driver_command, parse_args
+
+    args, _ = parse_args(["--out", str(tmp_path), "--variants", "vr", "cautious"])
+    assert args.variants == ["vr", "cautious"]
+    for name, (_, _, flags) in VARIANTS.items():
+        cmd = driver_command("muon", tmp_path, "tiny_gqa", extra=flags, run=f"muon_{name}")
+        assert str(tmp_path / "runs" / f"muon_{name}.jsonl") in cmd
+        cfg = optim.optimizer_config(arguments.parse_args(["--recipe", "tiny_gqa", *flags], world_size=1))
+        assert cfg.muon_variance_reduction == (0.95 if name == "vr" else None)
+        assert cfg.muon_cautious_weight_decay == (name == "cautious")

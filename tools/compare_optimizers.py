@@ -18,8 +18,10 @@ RMS, so an AdamW learning rate carries over); the schedule keeps the recipe's ``
 * ``runs/``: each run's output (``adam.log``) and ``--metrics-file`` (``adam.jsonl``),
   removed at the end unless ``--keep-runs``.
 
-The table is also printed. Flags after ``--`` go to both runs (``-- --seed 7``). The
-picture in docs/images/compare_tiny_gqa::
+The table is also printed. Flags after ``--`` go to every run (``-- --seed 7``).
+``--variants vr cautious`` adds Muon runs with nanochat's variance reduction
+(``--muon-variance-reduction 0.95``) and/or cautious weight decay, at Muon's learning
+rate, to the same plot and table. The picture in docs/images/compare_tiny_gqa::
 
     python tools/compare_optimizers.py --recipe tiny_gqa --out docs/images/compare_tiny_gqa \\
         --train-iters 300 --eval-interval 25 --eval-iters 8 --adam-lr 0.002
@@ -48,6 +50,13 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 OPTIMIZERS = ("adam", "muon")
 LABELS = {"adam": "AdamW", "muon": "Muon"}
 COLORS = {"adam": "#4c72b0", "muon": "#c44e52"}
+VARIANTS: Dict[str, Tuple[str, str, List[str]]] = {
+    # name: (label, color, the Muon run's extra driver flags: generated MuonConfig flags)
+    "vr": ("Muon + variance reduction", "#55a868", ["--muon-variance-reduction", "0.95"]),
+    "cautious": ("Muon + cautious WD", "#8172b2", ["--muon-cautious-weight-decay"]),
+}
+for _name, (_label, _color, _) in VARIANTS.items():
+    LABELS[f"muon_{_name}"], COLORS[f"muon_{_name}"] = _label, _color
 LOSS_KEY = "lm loss"
 TOKENS = re.compile(r"tokens per second: ([0-9.]+)")
 DEVICE = re.compile(r"^> megatron-muon pretraining: (.*)$", re.M)
@@ -57,11 +66,12 @@ Points = List[Tuple[int, float]]
 def driver_command(optimizer: str, out: Path, recipe: str, nproc: int = 1, lr: Optional[float] = None,
                    train_iters: Optional[int] = None, eval_interval: Optional[int] = None,
                    eval_iters: Optional[int] = None, data_cache_path: Optional[str] = None,
-                   extra: Sequence[str] = ()) -> List[str]:
-    """The ``pretrain_gpt.py`` command line of one run (``torchrun --standalone`` if nproc > 1)."""
+                   extra: Sequence[str] = (), run: Optional[str] = None) -> List[str]:
+    """The ``pretrain_gpt.py`` command line of one run (``torchrun --standalone`` if nproc > 1);
+    ``run`` names its metrics file (default: the optimizer)."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(DRIVER), "--recipe", recipe, "--optimizer", optimizer, "--log-interval", "1",
-            "--metrics-file", str(out / "runs" / f"{optimizer}.jsonl")]
+            "--metrics-file", str(out / "runs" / f"{run or optimizer}.jsonl")]
     if lr is not None and not any(t.startswith("--min-lr") for t in extra):
         min_lr = _recipe_min_lr(recipe)
         if min_lr is not None and min_lr > lr:
@@ -228,6 +238,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--muon-lr", type=float, default=None, help="Muon's --lr (default: the recipe's)")
     p.add_argument("--data-cache-path", default=None, help="shared by both runs (default: the driver's)")
     p.add_argument("--keep-runs", action="store_true", help="keep OUT/runs/ (logs and metrics files)")
+    p.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
+                   help="also run Muon with these variants: " + "; ".join(
+                       f"{k}: {v[0]} ({' '.join(v[2])})" for k, v in VARIANTS.items()))
     return p.parse_args(argv), extra
 
 
@@ -237,26 +250,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     commands, curves, throughput, device = {}, {}, {}, ""
-    for opt in OPTIMIZERS:
+    plan = [(opt, opt, []) for opt in OPTIMIZERS]
+    plan += [(f"muon_{v}", "muon", VARIANTS[v][2]) for v in dict.fromkeys(args.variants)]
+    for name, opt, flags in plan:
         cmd = driver_command(opt, out, args.recipe, args.nproc, args.adam_lr if opt == "adam" else args.muon_lr,
-                             args.train_iters, args.eval_interval, args.eval_iters, args.data_cache_path, extra)
-        commands[opt] = shown(cmd)
-        print(f"[compare] {commands[opt]}", flush=True)
-        stdout = run_driver(cmd, runs / f"{opt}.log", runs / f"{opt}.jsonl")
+                             args.train_iters, args.eval_interval, args.eval_iters, args.data_cache_path,
+                             [*extra, *flags], run=name)
+        commands[name] = shown(cmd)
+        print(f"[compare] {commands[name]}", flush=True)
+        stdout = run_driver(cmd, runs / f"{name}.log", runs / f"{name}.jsonl")
         device = device or next(iter(DEVICE.findall(stdout)), "")
-        train, valid, peak_lr = read_metrics(runs / f"{opt}.jsonl")
-        curves[opt] = {"train": train, "valid": valid, "peak_lr": peak_lr}
-        throughput[opt] = [float(x) for x in TOKENS.findall(stdout)]
+        train, valid, peak_lr = read_metrics(runs / f"{name}.jsonl")
+        curves[name] = {"train": train, "valid": valid, "peak_lr": peak_lr}
+        throughput[name] = [float(x) for x in TOKENS.findall(stdout)]
     adam_valid = curves["adam"]["valid"]
     target = adam_valid[-1][1] if adam_valid else None
     summaries = {o: summarize(c["train"], c["valid"], throughput[o], target, c["peak_lr"]) for o, c in curves.items()}
     reach = summaries["muon"]["iters_to_adam_final_valid"]
-    title = f"{Path(args.recipe).stem}: AdamW vs Muon, same data and seed"
+    title = f"{Path(args.recipe).stem}: AdamW vs Muon{' (+ variants)' if args.variants else ''}, same data and seed"
     plot(curves, out / "loss_curves.png", title, target, reach)
     tool = shown([sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
     body = table(summaries, args.eval_interval)
     md = (f"# {title}\n\n![loss curves](loss_curves.png)\n\n{body}\nDevice: {device or 'unknown'}. "
-          f"Produced by\n\n```\n{tool}\n```\n\nwhich ran\n\n```\n{commands['adam']}\n{commands['muon']}\n```\n")
+          f"Produced by\n\n```\n{tool}\n```\n\nwhich ran\n\n```\n" + "\n".join(commands.values()) + "\n```\n")
     (out / "compare.md").write_text(md)
     (out / "compare.json").write_text(json.dumps({
         "recipe": args.recipe, "device": device, "command": tool, "commands": commands,

@@ -9,6 +9,10 @@ Muon in its TP modes, ours in each TP mode) on one bf16 GPT:
 * **bytes per step** per collective kind, counted around ``optimizer.step()`` only and
   around the whole train step (forward/backward, DDP's reduce-scatter, step);
 * **optimizer state per rank**: optimizer state tensors + fp32 master weights;
+* **Muon state on the device** (ours): bytes of the Muon matrices' optimizer state on the
+  compute device between steps and at most during a step, and in the CPU offload pool
+  (``ours_exact_offload``), with the step-time ratio of offload on to off. On a CPU-only
+  machine the "device" bytes are those not in the offload pool (what a GPU would hold);
 * **orthogonalization error**: one step from the same weights with momentum 0, lr 1, no
   weight decay and no clipping, so every matrix changes by -scale * NS(full gradient).
   The change (gathered over TP and DP) is compared per logical matrix (Q, K, V apart) with
@@ -93,14 +97,14 @@ def _train_step(name, built, tokens, mbs, spec, device) -> tuple:
 
 
 def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: int, device: str,
-                interleave: bool) -> Dict[str, Dict[str, Any]]:
+                interleave: bool, hyper) -> Dict[str, Dict[str, Any]]:
     """Step times, bytes per step and optimizer memory of every peer. Interleaved, every
     peer is built first and the peers take turns step by step, so load from other
     processes on a shared machine falls on all of them alike."""
     results: Dict[str, Dict[str, Any]] = {n: dict(step_s=[], train_s=[]) for n in names}
     groups = [names] if interleave else [[n] for n in names]
     for group in groups:
-        built = {n: peers.build(n, spec, peers.Hyper()) for n in group}
+        built = {n: peers.build(n, spec, hyper) for n in group}
         for i in range(warmup + steps):
             for n in group:
                 step, train = _train_step(n, built[n], tokens, mbs, spec, device)
@@ -117,7 +121,7 @@ def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: in
                 _forward_backward(model, opt, tokens, mbs, spec)
                 opt.step()
             results[n].update(step_bytes=dict(step_traffic.bytes), train_bytes=dict(train_traffic.bytes),
-                              memory=peers.optimizer_state_bytes(opt))
+                              memory=peers.optimizer_state_bytes(opt), residency=peers.muon_state_residency(opt))
         del built
         gc.collect()
         if device == "cuda":
@@ -127,10 +131,13 @@ def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: in
     return results
 
 
-def _probe_peer(name: str, spec, tokens, mbs: int, probe_layers: Optional[int], want_grads: bool) -> Dict[str, Any]:
+def _probe_peer(name: str, spec, tokens, mbs: int, probe_layers: Optional[int], want_grads: bool,
+                chunk_numel: Optional[int] = None) -> Dict[str, Any]:
     """One step with ``peers.PROBE`` settings: the change of every matrix (this rank's
     TP piece) and, if asked, this rank's gradient before DDP's reduction."""
-    chunks, model, opt, _ = peers.build(name, spec, peers.PROBE)
+    from dataclasses import replace
+
+    chunks, model, opt, _ = peers.build(name, spec, replace(peers.PROBE, chunk_numel=chunk_numel))
     mats = peers.matrix_params(chunks[0])
     if probe_layers is not None:
         mats = {n: p for n, p in mats.items() if _layer_of(n) < probe_layers}
@@ -156,7 +163,7 @@ def _layer_of(name: str) -> int:
 
 
 def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup: int, gbs: int, mbs: int,
-              probe_layers: Optional[int], interleave: bool = True) -> Dict[str, Any]:
+              probe_layers: Optional[int], interleave: bool = True, chunk_numel: Optional[int] = None) -> Dict[str, Any]:
     """Everything this rank measures, for every peer in ``names``."""
     import torch
     from megatron.core import parallel_state
@@ -170,14 +177,15 @@ def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup:
     out: Dict[str, Any] = dict(
         tp=parallel_state.get_tensor_model_parallel_rank(),
         dp=parallel_state.get_data_parallel_rank(),
-        timing=_time_peers(names, spec, tokens, mbs, steps, warmup, device, interleave),
+        timing=_time_peers(names, spec, tokens, mbs, steps, warmup, device, interleave,
+                           peers.Hyper(chunk_numel=chunk_numel)),
         probe={},
         qkv_parts=peers.qkv_parts(M.transformer_config(spec)),
     )
     want_grads = True
     for name in names:
         if peers.is_muon_peer(name):
-            out["probe"][name] = _probe_peer(name, spec, tokens, mbs, probe_layers, want_grads)
+            out["probe"][name] = _probe_peer(name, spec, tokens, mbs, probe_layers, want_grads, chunk_numel)
             want_grads = False  # the same model and batch: the gradient is the same for all
             gc.collect()
     return out
@@ -276,10 +284,35 @@ def summarize(ranks: List[Dict[str, Any]], names: List[str]) -> Dict[str, Dict[s
             memory_max=max(memory),
             memory_mean=sum(memory) / world,
         )
+        residency = [r.get("residency") for r in per_rank]
+        if all(x is not None for x in residency):
+            out[name]["muon_state_per_rank"] = residency
+            out[name]["muon_state_max"] = {k: max(x[k] for x in residency) for k in residency[0]}
     base = out.get(peers.BASELINE)
     for row in out.values():
         row["ratio"] = row["step_ms"] / base["step_ms"] if base else float("nan")
+    for name, row in out.items():
+        off = out.get(name[: -len("_offload")]) if name.endswith("_offload") else None
+        if off is not None:
+            row["step_ratio_to_offload_off"] = row["step_ms"] / off["step_ms"]
     return out
+
+
+def residency_table(results: Dict[str, Any]) -> str:
+    """Muon optimizer state on the compute device per rank (max over ranks), ours only."""
+    rows = []
+    for r in results.values():
+        m = r.get("muon_state_max")
+        if m is None:
+            continue
+        rows.append([r["label"], common.human_bytes(m["device_idle"]), common.human_bytes(m["device_step_peak"]),
+                     common.human_bytes(m["largest_chunk"]), common.human_bytes(m["offloaded"]),
+                     r.get("step_ratio_to_offload_off")])
+    return common.md_table(
+        ["optimizer", "on device, idle", "on device, step peak", "one chunk", "offloaded (CPU pool)",
+         "step / offload off"],
+        rows,
+    ) if rows else ""
 
 
 def markdown(data: Dict[str, Any]) -> str:
@@ -310,6 +343,7 @@ def markdown(data: Dict[str, Any]) -> str:
             byte_rows.append([r["label"], label] + [int(mean.get(k, 0)) for k in KINDS] + [int(sum(mean.values()))])
     traffic = common.md_table(["optimizer", "counted around"] + [k.replace("_single", "") for k in KINDS] + ["total"], byte_rows)
     targets = targets_table(results)
+    residency = residency_table(results)
     return (
         f"{head}\n\n{main}\n\nErrors are distances between unit-norm directions, "
         "‖−Δ/‖Δ‖ − T/‖T‖‖_F for the change Δ of each logical matrix (Q, K, V apart), T the polar factor "
@@ -320,6 +354,9 @@ def markdown(data: Dict[str, Any]) -> str:
         "near-zero directions to one, and every peer's distance to it grows alike.\n\n"
         f"Bytes sent per step per rank (mean over ranks), by collective:\n\n{traffic}\n"
         + (f"\nThe project's targets, from this run:\n\n{targets}\n" if targets else "")
+        + (f"\nMuon matrices' optimizer state (momentum, second moments) per rank, max over ranks; "
+           "'on device' counts tensors outside the CPU offload pool (on a CPU-only machine, what a GPU "
+           f"would hold):\n\n{residency}\n" if residency else "")
     )
 
 
@@ -369,6 +406,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                    help="build all peers, then let them take turns step by step (default: on the CPU, where "
                         "other processes add noise; off on a GPU, where all peers may not fit at once)")
+    p.add_argument("--muon-chunk-numel", type=int,
+                   help="our pipeline's chunk size in matrix elements (default: MuonConfig's); small chunks show "
+                        "the offload's per-chunk bound on the device-resident momentum")
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="optimizer_step", help="output file name (without extension)")
     return p.parse_args(argv)
@@ -395,7 +435,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     started = time.perf_counter()
     interleave = args.interleave if args.interleave is not None else not on_gpu
     ranks = common.launch(rank_main, world, MODELS[model], names, steps, args.warmup, args.gbs, args.mbs,
-                          probe_layers, interleave, device=device, tp=tp)
+                          probe_layers, interleave, args.muon_chunk_numel, device=device, tp=tp)
     data: Dict[str, Any] = dict(
         env=common.environment(device),
         layout=dict(world=world, tp=tp, dp=world // tp),
@@ -408,6 +448,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         warmup=args.warmup,
         gbs=args.gbs,
         mbs=args.mbs,
+        muon_chunk_numel=args.muon_chunk_numel,
         peers=summarize(ranks, names),
         errors=orthogonalization_errors(ranks, device) if any(peers.is_muon_peer(n) for n in names) else {},
     )

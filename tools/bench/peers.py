@@ -12,7 +12,8 @@ clipping):
   We set its Newton–Schulz coefficients to ``"simple"`` (Keller Jordan's, the same as our
   default ``"quintic"``) so both run the same iteration;
 * ``ours_<mode>`` - ``megatron_muon.get_muon_optimizer`` in its TP modes ``exact``,
-  ``blockwise`` and ``duplicated``.
+  ``blockwise`` and ``duplicated``; ``ours_exact_offload`` is exact with
+  ``muon_cpu_offload`` (the momentum in a CPU pool, streamed to the device per chunk).
 
 Measurements: optimizer-state bytes per rank, collective bytes (``count_traffic``), and
 the gradient each rank contributed before DDP reduced it (``capture_local_grads``), from
@@ -35,6 +36,7 @@ PEERS = (
     "ours_exact",
     "ours_blockwise",
     "ours_duplicated",
+    "ours_exact_offload",
 )
 BASELINE = "megatron_adamw"
 
@@ -46,6 +48,7 @@ LABELS = {
     "ours_exact": "megatron_muon, exact",
     "ours_blockwise": "megatron_muon, blockwise",
     "ours_duplicated": "megatron_muon, duplicated",
+    "ours_exact_offload": "megatron_muon, exact + CPU offload",
 }
 
 
@@ -57,6 +60,8 @@ class Hyper:
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     momentum: float = 0.95
+    chunk_numel: Optional[int] = None
+    """Our pipeline's ``muon_chunk_numel`` (None: MuonConfig's default)."""
 
 
 # One step from a known state whose update is exactly -lr * scale * NS(grad).
@@ -77,7 +82,7 @@ def is_muon_peer(name: str) -> bool:
 
 
 def _tp_mode(name: str) -> str:
-    return name.rsplit("_", 1)[1]
+    return name.split("_")[1] if name.startswith("ours_") else name.rsplit("_", 1)[1]
 
 
 def _scheduler(optimizer, hyper: Hyper):
@@ -129,7 +134,10 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         opt = get_megatron_optimizer(cfg, model)
     elif name.startswith("ours"):
         model = M.wrap_ddp(chunks, chunks[0].config)
-        opt = get_muon_optimizer(MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, **common), model)
+        chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
+        cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum,
+                         muon_cpu_offload=name.endswith("_offload"), **chunking, **common)
+        opt = get_muon_optimizer(cfg, model)
     elif name == BASELINE:
         model = M.wrap_ddp(chunks, chunks[0].config)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common), model)
@@ -179,6 +187,43 @@ def optimizer_state_bytes(opt) -> Dict[str, int]:
                 if torch.is_tensor(value):
                     add("state", value)
     out["total"] = out["state"] + out["master"]
+    return out
+
+
+def muon_state_residency(opt) -> Optional[Dict[str, int]]:
+    """Where this rank's Muon-matrix optimizer state (momentum, variance reduction's second
+    moments) lives, in bytes, for megatron_muon peers (None for the others):
+
+    * ``device_idle``: on the compute device between steps (now);
+    * ``device_step_peak``: the most on the compute device during the last step (with
+      offload, the staging buffers' peak, summed over the dense and expert optimizers);
+    * ``offloaded``: in the CPU offload pool (and CPU-kept second moments);
+    * ``largest_chunk``: one pipeline chunk's momentum on this rank (the offload's bound).
+
+    On a CPU-only machine the compute device is the CPU as well: what counts as
+    "device" is every such tensor that is not in the offload pool, i.e. exactly what
+    would be on the accelerator on a GPU machine."""
+    muon = getattr(opt, "muon_optimizers", None)
+    if muon is None:
+        return None
+    out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0)
+    for o in muon:
+        pool = o.offload
+        momentum = [o.optimizer.state.get(m, {}).get("momentum_buffer") for m in o._shards if m is not None]
+        momentum_bytes = sum(t.numel() * t.element_size() for t in momentum if t is not None)
+        moments = list(o.second_moments.state.values()) if o.second_moments is not None else []
+        moment_bytes = sum(t.numel() * t.element_size() for t in moments)
+        if pool is None:
+            out["device_idle"] += momentum_bytes + moment_bytes
+            out["device_step_peak"] += momentum_bytes + moment_bytes
+            chunks = [sum(e - s for _, s, e in comm.gather_send) for comm in o.pipeline.comms]
+            out["largest_chunk"] += max(chunks, default=0) * 4
+        else:
+            in_pool = all(t.data_ptr() == v.data_ptr() for t, v in zip(momentum, [v for v in pool.views if v is not None]))
+            out["device_idle"] += pool.device_bytes + (0 if in_pool else momentum_bytes)
+            out["device_step_peak"] += pool.peak_device_bytes
+            out["offloaded"] += pool.pool_bytes + moment_bytes
+            out["largest_chunk"] += pool.staging_numel * 4
     return out
 
 

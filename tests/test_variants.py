@@ -1,0 +1,313 @@
+"""nanochat's Muon variants (variance reduction, cautious weight decay) and the CPU offload
+of the momentum, on real Megatron-core GPT models (CPU, gloo), against the single-process
+reference; plus their state in checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_muon.testing import run_distributed
+from megatron_muon.testing import models as M
+from tests.test_optimizer import GBS, MBS, build, max_rel_err, reference, train
+
+VR = dict(muon_variance_reduction=0.9)
+CAUTIOUS = dict(muon_cautious_weight_decay=True)
+OFFLOAD = dict(muon_cpu_offload=True)
+# Small chunks, so that the offload moves the momentum chunk by chunk.
+VARIANTS = {
+    "plain": {},
+    "vr": VR,
+    "cautious": CAUTIOUS,
+    "offload": dict(OFFLOAD, muon_chunk_numel=3000),
+}
+DENSE = dict(kind="gqa")
+MOE = dict(kind="moe")
+
+
+def nanochat_variance_reduction(g: torch.Tensor, buf: torch.Tensor, beta2: float) -> torch.Tensor:
+    """The seed's definition (nanochat ``muon_step_fused``), transcribed for the test."""
+    red_dim = -1 if g.size(-2) >= g.size(-1) else -2
+    v_mean = g.square().mean(dim=red_dim, keepdim=True)
+    n = g.size(red_dim)
+    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
+    buf.lerp_(v_mean, 1 - beta2)
+    step = buf.clamp_min(1e-10).rsqrt()
+    v_norm_new = ((v_mean * n) * step.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
+    return g * (step * (v_norm / v_norm_new.clamp_min(1e-10)))
+
+
+@pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5)])
+def test_variance_reduction_matches_nanochat(shape):
+    from megatron_muon.reference import normuon
+    from megatron_muon.variants import variance_reduction_
+
+    torch.manual_seed(0)
+    rows, cols = shape
+    buf_shape = (rows, 1) if rows >= cols else (1, cols)
+    seed_buf, our_buf, ref_moment = torch.zeros(buf_shape), torch.zeros(1, *buf_shape), None
+    for _ in range(3):
+        o = torch.randn(shape) * torch.rand(rows, 1) * torch.rand(1, cols)
+        expected = nanochat_variance_reduction(o.clone(), seed_buf, 0.9)
+        ours = variance_reduction_(o.unsqueeze(0), our_buf, 0.9)[0]
+        ref, ref_moment = normuon(o, ref_moment, 0.9)
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ref, expected, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(our_buf[0], seed_buf)
+        torch.testing.assert_close(ref_moment, seed_buf.reshape(-1))
+        assert math.isclose(float(ours.norm()), float(o.norm()), rel_tol=1e-5)  # norm kept
+        assert not torch.allclose(ours, o)
+
+
+def test_cautious_decay_only_where_signs_agree():
+    from megatron_muon.variants import apply_update_
+
+    w = torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0])
+    u = torch.tensor([0.5, 0.5, -0.5, -0.5, 0.5])
+    apply_update_(w, u, lr=0.1, wd=0.5, cautious=True)
+    # decay lr*wd*w = 0.05*w where u*w >= 0 (entries 0, 3, 4), then w -= lr*u
+    expected = torch.tensor([1.0 - 0.05 - 0.05, -1.0 - 0.05, 1.0 + 0.05, -1.0 + 0.05 + 0.05, -0.05])
+    torch.testing.assert_close(w, expected)
+
+
+def _references():
+    return {"dense": reference(DENSE, VARIANTS), "moe": reference(MOE, VARIANTS)}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return run_distributed(_references, 1, timeout_s=400)[0]
+
+
+def _check_exact(results, ref, variants):
+    for name in variants:
+        full = M.merge_canonical_states([r[name]["state"] for r in results])
+        ref_state = M.merge_canonical_states([ref[name][1]])
+        err, key = max_rel_err(full, ref_state, "fro")
+        assert err <= 1e-5, f"{name}: {key} differs from the reference by {err:.2e}"
+        for ours, theirs in zip(results[0][name]["losses"], ref[name][0]):
+            assert math.isclose(ours, theirs, rel_tol=1e-5), (name, ours, theirs)
+    # The variants change training (the reference sees them).
+    plain = M.merge_canonical_states([ref["plain"][1]])
+    for name in ("vr", "cautious"):
+        err, _ = max_rel_err(M.merge_canonical_states([ref[name][1]]), plain, "fro")
+        assert err > 1e-4, f"{name} did not change the reference's result ({err:.2e})"
+
+
+LAYOUTS = [
+    pytest.param(4, dict(tp=2), "dense", id="DP2xTP2"),
+    pytest.param(4, dict(ep=2), "moe", id="DP2xEP2"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world,layout,model", LAYOUTS)
+def test_variants_equal_reference(references, world, layout, model):
+    spec = DENSE if model == "dense" else MOE
+    results = run_distributed(train, world, spec, VARIANTS, timeout_s=800, **layout)
+    _check_exact(results, references[model], VARIANTS)
+
+
+# ---------------------------------------------------------------------------------------
+# Checkpoints: the second moments reshard, and offload on/off is invisible to them
+# ---------------------------------------------------------------------------------------
+STEPS_BEFORE, STEPS_AFTER = 3, 2
+
+
+def _steps(model, opt, sched, spec, batches):
+    for tokens in batches:
+        loss, ok = M.train_step(model, opt, tokens, MBS, spec)
+        assert ok
+        sched.step(1)
+
+
+def _offload_facts(opt) -> dict:
+    """Where the Muon momentum lives now (between steps)."""
+    offloads = [o.offload for o in opt.muon_optimizers if o.offload is not None]
+    return dict(
+        device_bytes=sum(o.device_bytes for o in offloads),
+        pool_bytes=sum(o.pool_bytes for o in offloads),
+        momentum_in_pool=all(
+            o.offload is None
+            or all(
+                o.optimizer.state[m]["momentum_buffer"].data_ptr() == v.data_ptr()
+                for m, v in zip(o._shards, o.offload.views)
+                if m is not None
+            )
+            for o in opt.muon_optimizers
+        ),
+    )
+
+
+def _save_then_continue(spec_kwargs, ckpt_dir, overrides):
+    from megatron_muon.checkpoint import save_checkpoint
+
+    spec = M.TinyModelSpec(**spec_kwargs)
+    batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
+    chunks, model, opt, sched = build(spec, **overrides)
+    _steps(model, opt, sched, spec, batches[:STEPS_BEFORE])
+    saved = M.gather_canonical_optimizer_state(model, opt)
+    save_checkpoint(ckpt_dir, model, opt)
+    facts = _offload_facts(opt)
+    _steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
+    return dict(state=saved, final=M.gather_canonical_state(chunks), facts=facts)
+
+
+def _load_then_continue(spec_kwargs, ckpt_dir, overrides):
+    from megatron_muon.checkpoint import load_checkpoint
+
+    spec = M.TinyModelSpec(**spec_kwargs)
+    batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
+    chunks, model, opt, sched = build(spec, **overrides)
+    load_checkpoint(ckpt_dir, model, opt)
+    facts = _offload_facts(opt)
+    loaded = M.gather_canonical_optimizer_state(model, opt)
+    _steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
+    return dict(state=loaded, final=M.gather_canonical_state(chunks), facts=facts)
+
+
+VR_ON = dict(muon_variance_reduction=0.9, muon_cautious_weight_decay=True)
+CHECKPOINTS = [
+    # offload on, DP2xTP2 -> offload off, DP2 (and a different owner for every matrix)
+    pytest.param(dict(kind="gqa"), (4, dict(tp=2)), dict(VR_ON, muon_cpu_offload=True), (2, {}), VR_ON,
+                 id="TP2xDP2-offload-to-DP2"),
+    # offload off, EP2 -> offload on, DP2xEP2
+    pytest.param(MOE, (2, dict(ep=2)), VR_ON, (4, dict(ep=2)), dict(VR_ON, muon_cpu_offload=True),
+                 id="EP2-to-DP2xEP2-offload"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model,before,before_cfg,after,after_cfg", CHECKPOINTS)
+def test_second_moments_and_offload_survive_checkpoints(tmp_path, model, before, before_cfg, after, after_cfg):
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(_save_then_continue, before[0], model, ckpt, before_cfg, timeout_s=600, **before[1])
+    loaded = run_distributed(_load_then_continue, after[0], model, ckpt, after_cfg, timeout_s=600, **after[1])
+    state_before = M.merge_canonical_states([r["state"] for r in saved])
+    state_after = M.merge_canonical_states([r["state"] for r in loaded])
+    assert state_before.keys() == state_after.keys()
+    moments = [v for k, v in state_before.items() if ".second_moment." in k]
+    assert moments and all(bool((m > 0).all()) for m in moments), "second moments missing or not positive"
+    for key in state_before:
+        assert torch.equal(state_before[key], state_after[key]), f"{key} changed across save/load"
+    for results, cfg in ((saved, before_cfg), (loaded, after_cfg)):
+        for r in results:
+            assert r["facts"]["momentum_in_pool"]
+            assert r["facts"]["device_bytes"] == 0
+            assert (r["facts"]["pool_bytes"] > 0) == bool(cfg.get("muon_cpu_offload"))
+    final_before = M.merge_canonical_states([r["final"] for r in saved])
+    final_after = M.merge_canonical_states([r["final"] for r in loaded])
+    err, key = max_rel_err(final_after, final_before, "fro")
+    assert err <= 1e-5, f"after resuming, {key} differs from the uninterrupted run by {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------
+# Offload in every TP mode, and what stays on the device
+# ---------------------------------------------------------------------------------------
+TP_MODES = {
+    "blockwise": dict(muon_tp_mode="blockwise"),
+    "blockwise-offload": dict(muon_tp_mode="blockwise", muon_cpu_offload=True, muon_chunk_numel=3000),
+    "duplicated": dict(muon_tp_mode="duplicated"),
+    "duplicated-offload": dict(muon_tp_mode="duplicated", muon_cpu_offload=True, muon_chunk_numel=3000),
+    "duplicated-vr": dict(muon_tp_mode="duplicated", **VR),
+}
+
+
+def _tp_modes_and_residency(spec_kwargs):
+    """Train every TP-mode variant; then measure where the offloaded momentum lives."""
+    out = train(spec_kwargs, TP_MODES)
+    spec = M.TinyModelSpec(**spec_kwargs)
+    chunks, model, opt, sched = build(spec, muon_cpu_offload=True, muon_chunk_numel=3000)
+    peaks = []
+    for tokens in M.synthetic_batches(spec, GBS, 2):
+        M.train_step(model, opt, tokens, MBS, spec)
+        for o in opt.muon_optimizers:
+            chunk_bytes = max(c.numel for c in o.offload.chunks) * 4
+            peaks.append((o.offload.peak_device_bytes, chunk_bytes, o.offload.pool_bytes, o.offload.device_bytes))
+    out["residency"] = peaks
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_offload_in_every_tp_mode(references):
+    results = run_distributed(_tp_modes_and_residency, 4, DENSE, timeout_s=800, tp=2)
+    merged = {name: M.merge_canonical_states([r[name]["state"] for r in results]) for name in TP_MODES}
+    for mode in ("blockwise", "duplicated"):
+        err, key = max_rel_err(merged[f"{mode}-offload"], merged[mode], "fro")
+        assert err <= 1e-5, f"{mode}: offload changes {key} by {err:.2e}"
+    # duplicated is exact: it matches the reference, with and without variance reduction.
+    for name, ref in (("duplicated", "plain"), ("duplicated-vr", "vr")):
+        err, key = max_rel_err(merged[name], M.merge_canonical_states([references["dense"][ref][1]]), "fro")
+        assert err <= 1e-5, f"{name}: {key} differs from the reference by {err:.2e}"
+    for r in results:
+        for peak, chunk_bytes, pool_bytes, idle in r["residency"]:
+            assert idle == 0, "momentum left on the device after the step"
+            assert 0 < peak <= chunk_bytes < pool_bytes, (peak, chunk_bytes, pool_bytes)
+
+
+@pytest.mark.timeout(900)
+def test_variance_reduction_switched_on_or_off_at_a_checkpoint(tmp_path):
+    """Saved with it, loaded without (the second moments are left unused), and the reverse
+    (they start at zero, as in a fresh run); muon-to-adam conversion drops them."""
+    from megatron_muon import convert
+
+    with_vr, without = str(tmp_path / "with_vr"), str(tmp_path / "without")
+    saved = run_distributed(_save_then_continue, 2, DENSE, with_vr, VR, timeout_s=600)
+    loaded = run_distributed(_load_then_continue, 2, DENSE, with_vr, {}, timeout_s=600)
+    before = M.merge_canonical_states([r["state"] for r in saved])
+    after = M.merge_canonical_states([r["state"] for r in loaded])
+    assert set(after) == {k for k in before if ".second_moment." not in k}
+    for key in after:
+        assert torch.equal(before[key], after[key]), key
+
+    run_distributed(_save_then_continue, 2, DENSE, without, {}, timeout_s=600)
+    loaded = run_distributed(_load_then_continue, 2, DENSE, without, VR, timeout_s=600)
+    state = M.merge_canonical_states([r["state"] for r in loaded])
+    moments = [v for k, v in state.items() if ".second_moment." in k]
+    assert moments and all(bool((m == 0).all()) for m in moments)
+
+    adam = str(tmp_path / "adam")
+    run_distributed(convert.muon_to_adam, 1, with_vr, adam, timeout_s=300)
+    assert not any(".second_moment." in k for k in convert.read_checkpoint(adam).tensors)
+
+
+def _per_rank_state_dict_across_offload():
+    """state_dict() of an optimizer with offload loads into one without, and back; the
+    continued training is the same as without the round trip."""
+    import copy
+
+    spec = M.TinyModelSpec(**DENSE)
+    batches = M.synthetic_batches(spec, GBS, 4)
+    configs = [dict(VR, muon_cpu_offload=True, muon_chunk_numel=3000), dict(VR)]
+    out = {}
+    for first, second in (configs, configs[::-1]):
+        runs = []
+        for resume in (False, True):
+            chunks, model, opt, sched = build(spec, **first)
+            _steps(model, opt, sched, spec, batches[:2])
+            if resume:
+                saved = copy.deepcopy(opt.state_dict())
+                chunks2, model2, opt2, sched2 = build(spec, **second)
+                for a, b in zip(chunks2, chunks):
+                    a.load_state_dict(b.state_dict())
+                opt2.load_state_dict(saved)
+                sched2.step(2)
+                chunks, model, opt, sched = chunks2, model2, opt2, sched2
+            _steps(model, opt, sched, spec, batches[2:])
+            runs.append((M.gather_canonical_state(chunks), _offload_facts(opt)))
+        out[bool(first.get("muon_cpu_offload"))] = runs
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_per_rank_state_dict_across_offload():
+    results = run_distributed(_per_rank_state_dict_across_offload, 2, timeout_s=500)
+    for offload_first in (True, False):
+        straight = M.merge_canonical_states([r[offload_first][0][0] for r in results])
+        resumed = M.merge_canonical_states([r[offload_first][1][0] for r in results])
+        err, key = max_rel_err(resumed, straight, "fro")
+        assert err <= 1e-6, f"offload first={offload_first}: {key} differs by {err:.2e}"
+        for r in results:
+            assert r[offload_first][1][1]["momentum_in_pool"] and r[offload_first][1][1]["device_bytes"] == 0
