@@ -20,7 +20,7 @@ setup(
     ],
     entry_points={
         "console_scripts": [
-            "megatron-muon-pretrain = megatron_muon.megatron_lm.pretrain:main",
+            "megatron-muon-pretrain = megatron_muon.megatron_lm.pretrain_gpt:main",
             "megatron-muon-preprocess-data = megatron_muon.megatron_lm.preprocess:main",
         ]
     },

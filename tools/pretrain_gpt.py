@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Megatron-LM's ``pretrain_gpt.py``, for Megatron-core with the Muon optimizer.
+"""Pretrain GPT with Megatron-LM's own training loop and megatron_muon's Muon.
 
-Same arguments as Megatron-LM (``--optimizer muon`` for megatron_muon's Muon); see
-``megatron_muon.megatron_lm.pretrain``. Examples::
+Megatron-LM's arguments (``--optimizer muon`` for megatron_muon's Muon), plus ``--recipe``;
+see ``megatron_muon.megatron_lm.pretrain_gpt``. Examples::
 
     python tools/pretrain_gpt.py --recipe tiny_gqa --train-iters 30
     torchrun --nproc-per-node 2 tools/pretrain_gpt.py --recipe tiny_gqa --tensor-model-parallel-size 2
@@ -10,7 +10,7 @@ Same arguments as Megatron-LM (``--optimizer muon`` for megatron_muon's Muon); s
 
 import sys
 
-from megatron_muon.megatron_lm.pretrain import main
+from megatron_muon.megatron_lm.pretrain_gpt import main
 
 if __name__ == "__main__":
     sys.exit(main())
