@@ -21,7 +21,6 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-muon-pretrain = megatron_muon.megatron_lm.pretrain_gpt:main",
-            "megatron-muon-preprocess-data = megatron_muon.megatron_lm.preprocess:main",
         ]
     },
     data_files=[("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml")))],

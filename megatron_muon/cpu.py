@@ -152,6 +152,8 @@ def install_cpu_patches() -> None:
     for report in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         _patch(c, report, lambda *a, **k: 0)  # Megatron-LM's memory reports: nothing on a GPU
     _patch(c, "memory_stats", lambda *a, **k: {})
+    # No GPU: compute capability 0.0, so checks for GPU kernels fail with their own message.
+    _patch(c, "get_device_capability", lambda *a, **k: (0, 0))
     _patch(c, "default_generators", ())
 
     import megatron.core.tensor_parallel.random as tp_random

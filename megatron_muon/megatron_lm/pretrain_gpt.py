@@ -3,7 +3,7 @@
 The shape of Megatron-LM's ``pretrain_gpt.py`` (the script is not in the megatron-core
 wheel; its training code is): the arguments are Megatron-LM's (``parse_and_validate_args``),
 the model is Megatron-LM's ``GPTModelConfig`` from them with our layer spec
-(:func:`gpt_layer_spec`), :func:`forward_step` and :func:`train_valid_test_datasets_provider`
+(:func:`megatron_muon.layer_specs.megatron_lm_layer_spec`), :func:`forward_step` and :func:`train_valid_test_datasets_provider`
 are Megatron-LM's recipe, and ``megatron.training.pretrain`` runs everything else:
 initialisation, checkpoints (``--load/--save``, torch_dist), the training loop, evaluation,
 logging, TensorBoard. ``use_megatron_muon()`` routes ``--optimizer muon`` to our optimizer.
@@ -16,6 +16,7 @@ overrides it), the ``--muon-*`` flags, the built-in byte corpus when no data is 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import sys
@@ -39,49 +40,16 @@ NO_TE_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False, "no_p
 # ---------------------------------------------------------------------------------------
 
 
-def gpt_layer_spec(config, vp_stage: Optional[int] = None):
-    """The layer (or block) spec for ``GPTModelConfig.transformer_layer_spec``.
-
-    With transformer-engine: Megatron-LM's own choice, unchanged (TE's attention records the
-    max logits QK-Clip needs). Local: Megatron-LM's choice with megatron_muon's modules
-    swapped in: the recording core attention (MLA head sizes, QK-Clip), TP-correct MLA and,
-    with sequence parallelism, norms that support it (a block spec, so the final norm too).
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.training.models.gpt import default_layer_spec
-
-    from megatron_muon.attention import RecordingDotProductAttention
-    from megatron_muon.layer_specs import use_tensor_parallel_mla
-    from megatron_muon.norms import use_sequence_parallel_norms
-
-    transformer = config.transformer
-    if transformer.transformer_impl != "local":
-        return default_layer_spec(config, vp_stage)
-    sequence_parallel = transformer.sequence_parallel
-    if sequence_parallel and transformer.num_moe_experts is None:
-        spec = get_gpt_decoder_block_spec(
-            transformer, use_transformer_engine=False, normalization=transformer.normalization, vp_stage=vp_stage
-        )
-    else:
-        spec = default_layer_spec(config, vp_stage)
-    layers = getattr(spec, "layer_specs", None) or [spec]
-    for layer in layers:
-        layer.submodules.self_attention.submodules.core_attention = RecordingDotProductAttention
-    use_tensor_parallel_mla(spec)
-    if sequence_parallel:
-        use_sequence_parallel_norms(spec)
-        for layer in layers:
-            use_sequence_parallel_norms(layer)
-    return spec
-
-
 def gpt_model_config(args: argparse.Namespace):
-    """Megatron-LM's ``GPTModelConfig`` from the arguments, with :func:`gpt_layer_spec`."""
+    """Megatron-LM's ``GPTModelConfig`` from the arguments, with our layer spec
+    (:func:`megatron_muon.layer_specs.megatron_lm_layer_spec`) unless ``--spec`` names one."""
     from megatron.training.argument_utils import gpt_config_from_args
+
+    from megatron_muon.layer_specs import megatron_lm_layer_spec
 
     config = gpt_config_from_args(args)
     if args.spec is None:
-        config.transformer_layer_spec = gpt_layer_spec
+        config.transformer_layer_spec = megatron_lm_layer_spec
     return config
 
 
@@ -224,11 +192,19 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--recipe", default=None, metavar="NAME|FILE",
                        help="YAML file (or name under recipes/) of Megatron-LM flags; the command line overrides it. "
                        f"Available: {', '.join(recipes.available_recipes())}.")
+    parser.error = functools.partial(_one_line_error, parser.prog)  # not Megatron-LM's 3,000-line usage
     if not cpu.use_cuda():
         parser.set_defaults(distributed_backend="gloo")
     if not _have_transformer_engine():
         parser.set_defaults(**NO_TE_DEFAULTS)
     return parser
+
+
+def _one_line_error(prog: str, message: str) -> None:
+    """Bad input: one line on stderr, exit code 2 (argparse's code), nothing built."""
+    lines = str(message).strip().splitlines()
+    print(f"{os.path.basename(prog)}: error: {lines[0] if lines else message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _have_transformer_engine() -> bool:
@@ -297,14 +273,53 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
     """
     from megatron.training.arguments import parse_and_validate_args
 
-    prog = sys.argv[0] if sys.argv else "pretrain_gpt.py"
+    with _errors_as_one_line():
+        sys.argv = [_prog()] + expand_recipe(argv)
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
+        corpus.check_tokenizer(args)
+    return args
+
+
+def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespace:
+    """Megatron-LM's parsed and validated arguments for ``argv`` as ``world_size`` ranks would
+    see them, without starting anything (for tools that read a configuration, e.g. a recipe)."""
+    import megatron.training.arguments as arguments
+
+    install_argument_layers()
+    if not cpu.use_cuda():
+        cpu.no_device_architecture()  # validation reads it with TP > 1
+    with _errors_as_one_line():
+        sys.argv = [_prog()] + expand_recipe(argv)
+        args = arguments.parse_args(extra_args_provider)
+        args.rank, args.world_size = 0, world_size
+        # Only a GPU kernel's availability is checked for it (torch.cuda, absent here).
+        grouped, args.moe_grouped_gemm = args.moe_grouped_gemm, args.moe_grouped_gemm and cpu.use_cuda()
+        arguments.validate_args(args, DEFAULTS)
+        args.moe_grouped_gemm = grouped
+    return args
+
+
+def _prog() -> str:
+    return sys.argv[0] if sys.argv else "pretrain_gpt.py"
+
+
+@contextlib.contextmanager
+def _errors_as_one_line():
+    """Validation errors (Megatron-LM asserts, our ValueErrors) as :func:`_one_line_error`."""
+    saved = list(sys.argv)
     try:
-        sys.argv = [prog] + expand_recipe(argv)
-        return parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
+        yield
     except (recipes.RecipeError, corpus.CorpusError, ValueError, AssertionError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"{os.path.basename(prog)}: error: {message}", file=sys.stderr)
-        raise SystemExit(2) from None
+        _one_line_error(saved[0] if saved else "pretrain_gpt.py", str(exc) or type(exc).__name__)
+    finally:
+        sys.argv = saved
+
+
+def install_argument_layers() -> None:
+    """Our layers on Megatron-LM's argument handling: ``--optimizer muon`` and the
+    ``--muon-*`` flags (``use_megatron_muon``) and QK-Clip with our recording attention."""
+    use_megatron_muon()
+    accept_qk_clip_with_recording_attention()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -319,10 +334,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from megatron_muon.cpu import set_single_process_rendezvous
 
         set_single_process_rendezvous()
-    use_megatron_muon()
-    accept_qk_clip_with_recording_attention()
+    install_argument_layers()
     args = parse_and_validate(argv)
-    corpus.check_tokenizer(args)
     config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
     pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
     return 0
