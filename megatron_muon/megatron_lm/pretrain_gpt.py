@@ -277,7 +277,23 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
         sys.argv = [_prog()] + expand_recipe(argv)
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
+        check_checkpoint_to_load(args)
     return args
+
+
+def check_checkpoint_to_load(args: argparse.Namespace) -> None:
+    """With ``--exit-on-missing-checkpoint``, a ``--load`` without a checkpoint fails here
+    (exit code 2, nothing built or written). Megatron-LM stops too, but with ``sys.exit()``,
+    status 0, which a launch script reads as a finished run."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    if not (args.load and args.exit_on_missing_checkpoint) or os.path.isfile(get_checkpoint_tracker_filename(args.load)):
+        return
+    if args.ckpt_step is not None and os.path.isdir(os.path.join(args.load, f"iter_{args.ckpt_step:07d}")):
+        return
+    raise ValueError(f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
+                     f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
+                     "--exit-on-missing-checkpoint is set: check the path")
 
 
 def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespace:
