@@ -3,9 +3,9 @@
 Megatron-core assumes a GPU in a handful of places (buffer placement via
 ``torch.cuda.current_device()``, CUDA streams and events, the tensor-parallel RNG
 tracker, literal ``device='cuda'`` and ``param.type() == 'torch.cuda.FloatTensor'``
-checks in the distributed optimizer), plus one Megatron bug that only shows without
-transformer-engine/Apex (torch AdamW's per-param ``step`` breaks loading a reshardable
-distributed-optimizer checkpoint). ``install_cpu_patches()`` replaces exactly those
+checks in the distributed optimizer), plus two Megatron bugs that only show without
+transformer-engine/Apex (torch AdamW's per-param ``step`` breaks building the state dict a
+fresh optimizer loads into, and loading a reshardable distributed-optimizer checkpoint). ``install_cpu_patches()`` replaces exactly those
 with CPU stand-ins, process-wide, so that a real ``GPTModel`` trains with TP/PP/EP/DP
 over gloo on a laptop. Nothing here is applied on import: call it explicitly (the
 multi-rank test launcher and the CPU path of ``tools/pretrain_gpt.py`` do).
@@ -123,6 +123,18 @@ def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors
     _INSTALLED_ORIGINALS["_set_main_param_and_optimizer_states"](self, model_param, tensors)
 
 
+def _sharded_state_dict_loadable(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Megatron 0.19.2's DistributedOptimizer without transformer-engine or Apex (torch
+    AdamW) reads the step from its state in ``state_dict()`` and asserts when no step has
+    run yet: a fresh job cannot build the state dict it loads into. Give it Megatron's own
+    remedy (``_init_optimizer_states_with_dummy_values``, used by its FSDP path) first; the
+    load then replaces every dummy value."""
+    is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+    if is_loading and not self.optimizer.state:
+        self._init_optimizer_states_with_dummy_values()
+    return _INSTALLED_ORIGINALS["sharded_state_dict"](self, *args, **kwargs)
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     key = f"{id(obj)}.{name}"
     if key not in _INSTALLED:
@@ -173,6 +185,11 @@ def install_cpu_patches() -> None:
         "_set_main_param_and_optimizer_states", DistributedOptimizer._set_main_param_and_optimizer_states
     )
     _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_states_keeping_step)
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
+        _INSTALLED_ORIGINALS.setdefault("sharded_state_dict", DistributedOptimizer.sharded_state_dict)
+        _patch(DistributedOptimizer, "sharded_state_dict", _sharded_state_dict_loadable)
 
     mode = CudaToCpuMode()
     mode.__enter__()
