@@ -214,7 +214,7 @@ def test_preprocess_then_data_path_and_small_corpus_split(cache, tmp_path):
 def _read_recipes(recipe_file: str) -> dict:
     """In a fresh process: recipes and overrides through Megatron-LM's parser / validation."""
     from megatron_muon.megatron_lm.integration import muon_config_from_megatron
-    from megatron_muon.megatron_lm.pretrain_gpt import validated_args
+    from megatron_muon.megatron_lm.launch import validated_args
     from tools.bench import sizing
 
     out: dict = {}

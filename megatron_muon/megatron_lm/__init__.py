@@ -1,8 +1,8 @@
 """megatron_muon inside Megatron-LM's own training (``megatron.training``, shipped in the
 megatron-core wheel): only what Megatron-LM lacks.
 
-* ``pretrain_gpt`` - ``tools/pretrain_gpt.py`` / ``megatron-muon-pretrain``: Megatron-LM's
-  ``pretrain_gpt.py`` shape around ``megatron.training.pretrain``;
+* ``launch``      - our layers on Megatron-LM's launch for ``tools/pretrain_gpt.py`` (which has
+  Megatron-LM's ``pretrain_gpt.py`` shape) and the ``megatron-muon-pretrain`` console script;
 * ``integration`` - ``use_megatron_muon()``: ``--optimizer muon`` in Megatron-LM's training;
 * ``muon_args``   - the ``--muon-*`` flags, generated from :class:`megatron_muon.MuonConfig`;
 * ``recipes``     - ``--recipe``: YAML files of Megatron-LM flags;

@@ -93,7 +93,7 @@ class ModelShape:
 def from_recipe(recipe: str, gpus: int, tp: int, pp: int, ep: int, etp: Optional[int] = None) -> ModelShape:
     """A recipe read by Megatron-LM's own parser and validation (as ``tools/pretrain_gpt.py``
     reads it: same defaults and derived values)."""
-    from megatron_muon.megatron_lm.pretrain_gpt import validated_args
+    from megatron_muon.megatron_lm.launch import validated_args
     from tools.bench import sizing
 
     argv = ["--recipe", recipe, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
