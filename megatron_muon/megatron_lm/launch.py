@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import io
 import os
 import sys
 from typing import List, Optional, Sequence
@@ -156,7 +157,8 @@ def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespa
         args.rank, args.world_size = 0, world_size
         # Only a GPU kernel's availability is checked for it (torch.cuda, absent here).
         grouped, args.moe_grouped_gemm = args.moe_grouped_gemm, args.moe_grouped_gemm and cpu.use_cuda()
-        arguments.validate_args(args, DEFAULTS)
+        with contextlib.redirect_stdout(io.StringIO()):  # its listing of every argument
+            arguments.validate_args(args, DEFAULTS)
         args.moe_grouped_gemm = grouped
     return args
 
