@@ -249,3 +249,43 @@ def test_recipes_through_megatron_lm_arguments(tmp_path):
         assert abs(count_total / total - 1) < 0.01, f"{name}: {count_total} vs published total {total / 1e9} B"
         if active is not None:
             assert abs(count_active / active - 1) < 0.03, f"{name}: {count_active} vs published active {active / 1e9} B"
+
+
+# ---------------------------------------------------------------------------------------
+# The CPU patches of Megatron-LM's training code, one by one
+# ---------------------------------------------------------------------------------------
+
+
+def _cpu_patches() -> dict:
+    import os
+    import subprocess as sp
+
+    import megatron.core.datasets.utils as dataset_utils
+    import megatron.training.arguments as arguments
+    import megatron.training.training as training
+
+    from megatron_muon.megatron_lm import cpu
+
+    on_cpu = cpu.install()
+    calls = []
+    real_run, sp.run = sp.run, lambda *a, **k: calls.append(a) or real_run(["true"])
+    try:
+        dataset_utils.compile_helpers()  # the wheel ships helpers_cpp: no `make`
+    finally:
+        sp.run = real_run
+    return dict(on_cpu=on_cpu, make_calls=len(calls), helpers=cpu.helpers_compiled(),
+                init_kwargs=dict(getattr(training.initialize_megatron, "keywords", {})),
+                arch=arguments.get_device_arch_version(), max_conn=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+                idempotent=cpu.install() is True and training.initialize_megatron.func.__name__ == "initialize_megatron")
+
+
+def test_cpu_patches_each_do_their_one_thing():
+    import torch
+
+    from megatron_muon.testing import run_distributed
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    got = run_distributed(_cpu_patches, 1, timeout_s=120)[0]
+    assert got == dict(on_cpu=True, make_calls=0, helpers=True, init_kwargs={"allow_no_cuda": True}, arch=0,
+                       max_conn="1", idempotent=True)
