@@ -150,6 +150,15 @@ def test_bad_input_one_line_exit_2_before_any_model(argv, says):
     assert "Traceback" not in proc.stderr and BUILT not in proc.stdout
 
 
+def test_console_script_runs_the_tool():
+    """``megatron-muon-pretrain`` (setup.py's entry point) runs tools/pretrain_gpt.py."""
+    code = ("import sys; from megatron_muon.megatron_lm.launch import console_main; "
+            "sys.argv = ['megatron-muon-pretrain', '--recipe', 'no_such_recipe']; console_main()")
+    proc = launch([sys.executable, "-c", code], timeout=120)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("pretrain_gpt.py: error: unknown recipe"), proc.stderr[-2000:]
+
+
 def test_megatron_lm_example_launch_line(tmp_path):
     """Flags as Megatron-LM's GPT example scripts write them (mcore models, sample-based
     schedule, selective recompute, NullTokenizer, mock data), tiny sizes; plus --optimizer muon."""
