@@ -20,11 +20,12 @@ setup(
     ],
     entry_points={
         "console_scripts": [
-            "megatron-muon-pretrain = megatron_muon.megatron_lm.pretrain:main",
-            "megatron-muon-preprocess-data = megatron_muon.megatron_lm.preprocess:main",
+            "megatron-muon-pretrain = megatron_muon.megatron_lm.launch:console_main",
         ]
     },
-    data_files=[("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml")))],
+    data_files=[("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml"))),
+                # Megatron-LM-style scripts live in tools/; the console script runs this one.
+                ("share/megatron_muon/tools", ["tools/pretrain_gpt.py"])],
     extras_require={
         # matplotlib: the suite also renders the benchmark plots (tools/bench/plots.py).
         "test": ["pytest", "pytest-timeout", "matplotlib"],

@@ -2,8 +2,20 @@
 
 Works on whole torch_dist checkpoints in one process (no model is built): every tensor
 is read at its full global shape, transformed by key, and written back with Megatron's
-own ``dist_checkpointing.save``, so the result loads into any parallel layout. Writes go
-to a temporary directory renamed into place at the end.
+own ``dist_checkpointing.save``, so the result loads into any parallel layout.
+
+Megatron-LM's layout on both sides: the source is a checkpoint directory (``--save`` of
+``tools/pretrain_gpt.py``, whose ``latest_checkpointed_iteration.txt`` names the iteration)
+or one ``iter_XXXXXXX`` directory; the destination is a checkpoint directory that receives
+``iter_XXXXXXX`` (same iteration) and the tracker file, so ``--load DST`` resumes from it.
+The common state (arguments, iteration, scheduler, RNG, rerun state) is kept; only the
+optimizer's part and ``args.optimizer`` change.
+
+Nothing it did not create is deleted or overwritten: an existing destination iteration is
+refused unless ``--overwrite``; the source can never be the destination, inside it or its
+parent; the output is written into a temporary directory and renamed into place, then the
+tracker is replaced atomically, so a conversion killed at any point leaves every earlier
+checkpoint loadable (and at worst a ``*.tmp-*`` directory to remove).
 
 Key conventions (both Megatron's ``fully_reshardable`` distributed optimizer and ours):
 model tensors under their model key; optimizer state under
@@ -16,17 +28,20 @@ that loads such a checkpoint starts them at zero, as a fresh run does.
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import os
 import re
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
 from .checkpoint import _READ_ERRORS, FORMAT, CheckpointError
+from .integrity import has_manifest, verify_manifest, write_manifest
 
 STATE_PREFIX = "optimizer.state."
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
@@ -46,16 +61,13 @@ def _ensure_process_group() -> None:
     """A one-rank gloo group (Megatron's checkpoint I/O is collective), on the CPU if no GPU."""
     import torch.distributed as dist
 
-    if not torch.cuda.is_available():
-        from .testing.cpu import install_cpu_patches
+    from .cpu import free_port, install_cpu_patches
 
+    if not torch.cuda.is_available():
         install_cpu_patches()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            from .testing.launcher import _free_port
-
-            os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
 
 
@@ -77,6 +89,8 @@ def read_checkpoint(path: str) -> Checkpoint:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = _read_metadata(path)
+    if has_manifest(path):  # checkpoints written before manifests existed are read as they are
+        verify_manifest(path)
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -104,7 +118,7 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
-    """Write ``ckpt`` as a torch_dist checkpoint at ``path`` (atomically)."""
+    """Write ``ckpt`` as a torch_dist checkpoint into the new, empty directory ``path``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
@@ -117,12 +131,103 @@ def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
     }
     state["__tensors__"] = sharded
     state["__objects__"] = objects
-    tmp = path.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    dist_checkpointing.save(state, tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.rename(tmp, path)
+    os.makedirs(path, exist_ok=False)
+    dist_checkpointing.save(state, path)
+    # Written last, so a converter killed mid-write leaves a directory no loader accepts.
+    write_manifest(path)
+
+
+# ---------------------------------------------------------------------------------------
+# Megatron-LM's checkpoint directory layout, and writing without losing anything
+# ---------------------------------------------------------------------------------------
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def resolve_source(src: str) -> str:
+    """The torch_dist directory ``src`` names: itself, or the iteration its tracker names."""
+    tracker = os.path.join(src, TRACKER)
+    if os.path.isfile(tracker):
+        with open(tracker) as f:
+            latest = f.read().strip()
+        path = os.path.join(src, "release" if latest == "release" else iteration_dir_name(int(latest)))
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{tracker} names iteration {latest}, but {path} does not exist")
+        return path
+    if not os.path.isfile(os.path.join(src, ".metadata")):
+        raise CheckpointError(f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist "
+                              "checkpoint (no .metadata); give the --save directory or one iter_XXXXXXX in it")
+    return src
+
+
+def checkpoint_iteration(ckpt: Checkpoint) -> int:
+    """The training iteration a checkpoint was saved at (Megatron-LM's ``iteration``)."""
+    value = ckpt.common.get("iteration", ckpt.common.get("extra", {}).get("iteration", 0))
+    return int(value)
+
+
+def check_paths(src: str, dst: str) -> None:
+    """The source is never the destination, inside it, or its parent (nor the reverse)."""
+    a, b = os.path.realpath(src), os.path.realpath(dst)
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise CheckpointError(
+            f"the destination {dst} {'is' if a == b else 'contains' if a.startswith(b + os.sep) else 'is inside'} "
+            f"the source {src}; write the converted checkpoint to a separate directory"
+        )
+
+
+def publish(dst: str, iteration: int, ckpt: Checkpoint, overwrite: bool = False) -> str:
+    """Write ``ckpt`` as ``dst/iter_XXXXXXX`` plus the tracker; returns the iteration directory.
+
+    A new ``dst`` is built complete under a temporary name and renamed into place. Into an
+    existing ``dst`` the iteration is written under a temporary name, renamed in (an existing
+    one only with ``overwrite``, moved aside first and removed last), then the tracker is
+    replaced atomically. Nothing else in ``dst`` is touched.
+    """
+    name = iteration_dir_name(iteration)
+    final = os.path.join(dst, name)
+    if not os.path.exists(dst):
+        parent = os.path.dirname(os.path.abspath(dst))
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".tmp-", dir=parent)
+        write_checkpoint(os.path.join(staging, name), ckpt)
+        _write_tracker(staging, iteration)
+        os.rename(staging, dst)
+        return final
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointError(f"{final} already exists; pass --overwrite to replace it, or choose another destination")
+    staging = tempfile.mkdtemp(prefix=name + ".tmp-", dir=dst)
+    write_checkpoint(os.path.join(staging, name), ckpt)
+    aside = None
+    if os.path.exists(final):
+        aside = tempfile.mkdtemp(prefix=name + ".old-", dir=dst)
+        os.rename(final, os.path.join(aside, name))
+    os.rename(os.path.join(staging, name), final)
+    os.rmdir(staging)
+    _write_tracker(dst, iteration)
+    if aside is not None:
+        shutil.rmtree(aside)
+    return final
+
+
+def _write_tracker(directory: str, iteration: int) -> None:
+    tmp = os.path.join(directory, TRACKER + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(str(iteration))
+    os.replace(tmp, os.path.join(directory, TRACKER))
+
+
+def _retarget_args(ckpt: Checkpoint, optimizer: str) -> None:
+    """Megatron-LM's saved arguments say which optimizer wrote the state: the converted one."""
+    args = ckpt.common.get("args")
+    if args is not None and hasattr(args, "optimizer"):
+        args = copy.copy(args)
+        args.optimizer = optimizer
+        ckpt.common["args"] = args
 
 
 def _state_key(state: str, model_key: str) -> str:
@@ -150,16 +255,19 @@ def is_muon_key(key: str, exclude: Iterable[str] = (), router: bool = False) -> 
     return bool(_LINEAR.search(key)) and "embedding" not in key and not key.startswith("output_layer")
 
 
-def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[str] = (), router: bool = False) -> Dict[str, int]:
+def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[str] = (), router: bool = False,
+                 overwrite: bool = False) -> Dict[str, int]:
     """Megatron DistributedOptimizer (AdamW, ``fully_reshardable``) -> Muon checkpoint.
 
     Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
     ``exp_avg`` with ``momentum='exp_avg'``) instead of their AdamW moments; the scalar
     parameters keep their AdamW state."""
-    ckpt = read_checkpoint(src)
+    check_paths(src, dst)
+    source = resolve_source(src)
+    ckpt = read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") == FORMAT:
-        raise CheckpointError(f"{src} already holds Muon optimizer state.")
+        raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
     if opt_common.get("param_state_sharding_type") != "fully_reshardable":
         raise CheckpointError(
             f"{src}: expected a Megatron distributed-optimizer checkpoint saved with "
@@ -183,21 +291,25 @@ def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[
         "muon_config": {},
         "converted_from": "megatron_adam",
     }
-    write_checkpoint(dst, ckpt)
-    return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step}
+    _retarget_args(ckpt, "muon")
+    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite)
+    return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
 
 
-def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9) -> Dict[str, int]:
+def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9, overwrite: bool = False) -> Dict[str, int]:
     """Muon checkpoint -> Megatron DistributedOptimizer (AdamW, ``fully_reshardable``).
 
     ``exp_avg`` of former Muon matrices is zero, or ``(1 - beta1) * momentum`` with
     ``exp_avg='momentum'`` (Muon's momentum is a plain sum, AdamW's an average);
     ``exp_avg_sq`` is zero (printed as a warning: AdamW's first steps then take
     sign-like updates of size lr)."""
-    ckpt = read_checkpoint(src)
+    check_paths(src, dst)
+    source = resolve_source(src)
+    ckpt = read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") != FORMAT:
-        raise CheckpointError(f"{src} holds no Muon optimizer state (format {opt_common.get('format')!r}).")
+        raise CheckpointError(f"{source} holds no Muon optimizer state (format {opt_common.get('format')!r}); "
+                              "an AdamW checkpoint converts to Muon with adam-to-muon.")
     converted = 0
     for key in model_keys(ckpt):
         m = ckpt.tensors.pop(_state_key("momentum_buffer", key), None)
@@ -226,8 +338,11 @@ def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9)
     }
     if dense.get("grad_scaler") is not None:
         ckpt.common["optimizer"]["grad_scaler"] = dense["grad_scaler"]
-    write_checkpoint(dst, ckpt)
-    return {"converted": converted, "step": step}
+    if isinstance(ckpt.common.get("content_metadata"), dict):  # Megatron-LM loads by this label
+        ckpt.common["content_metadata"] = dict(ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable")
+    _retarget_args(ckpt, "adam")
+    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite)
+    return {"converted": converted, "step": step, "wrote": written}
 
 
 def inspect(path: str) -> str:
@@ -235,6 +350,7 @@ def inspect(path: str) -> str:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    path = resolve_source(path)
     metadata = _read_metadata(path)
     common = dist_checkpointing.load_common_state_dict(path)
     opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}
@@ -242,6 +358,8 @@ def inspect(path: str) -> str:
         f"megatron {opt.get('param_state_sharding_type')}" if opt else "model only"
     )
     lines = [f"checkpoint: {path}", f"optimizer: {kind}"]
+    if "iteration" in common:
+        lines.append(f"iteration: {common['iteration']}")
     extra = common.get("extra", {})
     for key in ("iteration", "layout", "args"):
         if key in extra:
@@ -319,6 +437,37 @@ def experts_state_dict(state: Dict[str, torch.Tensor], to: str, num_experts: Opt
     raise ValueError(f"experts conversion target must be 'sequential' or 'legacy_grouped', not {to!r}")
 
 
+def convert_experts_file(src: str, dst: str, to: str, num_experts: Optional[int], overwrite: bool = False) -> None:
+    """``experts`` on one torch file: a state dict of tensors, or Megatron-LM's legacy
+    ``--ckpt-format torch`` file (``mp_rank_XX/model_optim_rng.pt``: ``model`` or ``model0``,
+    ``model1``... per virtual stage). torch_dist checkpoints need no conversion."""
+    if os.path.isdir(src):
+        raise CheckpointError(
+            f"{src} is a directory. torch_dist checkpoints (what tools/pretrain_gpt.py writes by default) "
+            "store experts per expert in model coordinates and load into any expert layout: nothing to convert. "
+            "`experts` converts one torch file: a state dict, or Megatron-LM's --ckpt-format torch "
+            "mp_rank_XX/model_optim_rng.pt."
+        )
+    check_paths(src, dst)
+    if os.path.exists(dst) and not overwrite:
+        raise CheckpointError(f"{dst} already exists; pass --overwrite to replace it, or choose another name")
+    state = torch.load(src, map_location="cpu", weights_only=False)
+    keys = [k for k in ("model", *(f"model{i}" for i in range(len(state)))) if isinstance(state, dict) and k in state]
+    models = {k: state[k] for k in keys} if keys else {None: state}
+    for key, model in models.items():
+        if not isinstance(model, dict):
+            raise CheckpointError(
+                f"{src}{'' if key is None else f'[{key!r}]'} is a {type(model).__name__}, not a state dict "
+                "(name -> tensor); `experts` reads a torch state dict or Megatron-LM's model_optim_rng.pt."
+            )
+        converted = experts_state_dict(model, to, num_experts)
+        state = converted if key is None else dict(state, **{key: converted})
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(dst) + ".tmp-", dir=os.path.dirname(os.path.abspath(dst)))
+    os.close(fd)
+    torch.save(state, tmp)
+    os.replace(tmp, dst)
+
+
 def _print_to_pipe(text: str) -> None:
     """Print; a reader that stops early (``| head``) ends the output quietly, as in Unix tools."""
     try:
@@ -340,40 +489,30 @@ def main(argv: Optional[List[str]] = None) -> None:
     a2m.add_argument("--momentum", choices=("zeros", "exp_avg"), default="zeros")
     a2m.add_argument("--muon-exclude-patterns", nargs="*", default=[])
     a2m.add_argument("--muon-router", action="store_true", help="the router weight is a Muon matrix")
+    a2m.add_argument("--overwrite", action="store_true", help="replace DST's iteration if it exists")
     m2a = sub.add_parser("muon-to-adam", help="Muon checkpoint -> Megatron AdamW distributed optimizer")
     m2a.add_argument("src")
     m2a.add_argument("dst")
     m2a.add_argument("--exp-avg", choices=("zeros", "momentum"), default="zeros")
     m2a.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (scales momentum into exp_avg)")
+    m2a.add_argument("--overwrite", action="store_true", help="replace DST's iteration if it exists")
     exp = sub.add_parser("experts", help="legacy fused GroupedMLP <-> per-expert weights of a torch state dict")
     exp.add_argument("src")
     exp.add_argument("dst")
     exp.add_argument("--to", choices=("sequential", "legacy_grouped"), required=True)
     exp.add_argument("--num-experts", type=int, default=None, help="local experts per fused tensor")
+    exp.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     ins = sub.add_parser("inspect", help="print what a checkpoint holds")
     ins.add_argument("path")
     args = parser.parse_args(argv)
     try:
         if args.command == "adam-to-muon":
-            print(adam_to_muon(args.src, args.dst, args.momentum, args.muon_exclude_patterns, args.muon_router))
+            print(adam_to_muon(args.src, args.dst, args.momentum, args.muon_exclude_patterns, args.muon_router,
+                               args.overwrite))
         elif args.command == "muon-to-adam":
-            print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1))
+            print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1, args.overwrite))
         elif args.command == "experts":
-            if os.path.isdir(args.src):
-                raise CheckpointError(
-                    f"{args.src} is a distributed checkpoint: it stores experts per expert in model "
-                    "coordinates already and loads into any expert layout; nothing to convert."
-                )
-            state = torch.load(args.src, map_location="cpu", weights_only=False)
-            model = state.get("model", state) if isinstance(state, dict) else state
-            converted = experts_state_dict(model, args.to, args.num_experts)
-            if "model" in state:
-                state = dict(state, model=converted)
-            else:
-                state = converted
-            tmp = args.dst + ".tmp"
-            torch.save(state, tmp)
-            os.replace(tmp, args.dst)
+            convert_experts_file(args.src, args.dst, args.to, args.num_experts, args.overwrite)
             print(f"wrote {args.dst}")
         else:
             _print_to_pipe(inspect(args.path))

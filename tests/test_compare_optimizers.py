@@ -2,7 +2,7 @@
 
 End to end (a few iterations of tiny_gqa, CPU subprocesses): the PNG, markdown and JSON
 are written and the table has both optimizers. Unit tests: the interpolated "iterations to
-reach AdamW's final validation loss", the metrics-file reader and the table.
+reach AdamW's final validation loss", the reader of Megatron-LM's log lines and the table.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.compare_optimizers import iterations_to_reach, read_metrics, summarize, table
+from tools.compare_optimizers import iterations_to_reach, read_log, summarize, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,11 +40,11 @@ def test_compare_tiny_gqa(tmp_path):
     assert set(data["summary"]) == {"adam", "muon"}
     for opt, s in data["summary"].items():
         assert s["iterations"] == 6 and s["tokens_per_s"] > 0
-        assert [it for it, _ in data["curves"][opt]["valid"]] == [0, 3, 6]
+        assert [it for it, _ in data["curves"][opt]["valid"]] == [3, 6]
         assert len(data["curves"][opt]["train"]) == 6
     assert data["target_valid_loss"] == data["summary"]["adam"]["final_valid_loss"]
     assert data["summary"]["adam"]["iters_to_adam_final_valid"] is not None  # AdamW reaches its own final loss
-    assert (out / "runs" / "adam.log").is_file() and (out / "runs" / "muon.jsonl").is_file()
+    assert (out / "runs" / "adam.log").is_file() and "[after training is done]" in (out / "runs" / "muon.log").read_text()
 
 
 def test_iterations_to_reach_interpolates():
@@ -57,18 +57,21 @@ def test_iterations_to_reach_interpolates():
     assert iterations_to_reach([(0, 5.0), (10, 3.0), (20, 4.0), (30, 2.0)], 4.0) == pytest.approx(5.0)
 
 
-def test_read_metrics_summarize_and_table(tmp_path):
-    rows = [{"iteration": 0, "split": "validation", "lm loss": 6.0}]
-    rows += [{"iteration": i, "skipped": False, "lm loss": 6.0 - 0.1 * i, "lr": 0.01 * min(i, 2) / 2}
-             for i in range(1, 13)]
-    rows += [{"iteration": 12, "skipped": True, "lm loss": float("nan"), "lr": 0.01},  # skipped: left out
-             {"iteration": 12, "split": "validation", "lm loss": 5.0},
-             {"iteration": 12, "split": "validation (end of training)", "lm loss": 5.0},  # same point again
-             {"iteration": 12, "split": "test (end of training)", "lm loss": 1.0}]
-    path = tmp_path / "m.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    train, valid, peak_lr = read_metrics(path)
-    assert [it for it, _ in train] == list(range(1, 13)) and valid == [(0, 6.0), (12, 5.0)] and peak_lr == 0.01
+def test_read_log_summarize_and_table():
+    line = (" [2026-11-23 21:36:29.672696] iteration {i:8d}/      12 | consumed samples: {c:12d} | elapsed time per "
+            "iteration (ms): 80.0 | learning rate: {lr:.6E} | global batch size:     8 | lm loss: {loss:.6E} | "
+            "loss scale: 1.0 | grad norm: 3.105 | number of skipped iterations: {skip:3d} | number of nan iterations:   0 |")
+    lines = ["  seq_length ...................................... 64"]
+    lines += [line.format(i=i, c=8 * i, lr=0.01 * min(i, 2) / 2, loss=6.0 - 0.1 * i, skip=0) for i in range(1, 13)]
+    lines += [line.format(i=12, c=96, lr=0.01, loss=float("nan"), skip=1)]  # skipped: left out
+    lines += [" validation loss at iteration 6 | lm loss value: 6.000000E+00 | lm loss PPL: 4.0E+02 | ",
+              " validation loss at iteration 12 | lm loss value: 5.000000E+00 | lm loss PPL: 1.4E+02 | ",
+              " validation loss at iteration 12 on validation set | lm loss value: 5.000000E+00 | ",  # same point
+              " validation loss at iteration 12 on test set | lm loss value: 1.000000E+00 | "]
+    train, valid, peak_lr, speed = read_log("\n".join(lines))
+    assert [it for it, _ in train] == list(range(1, 13)) and valid == [(6, 6.0), (12, 5.0)] and peak_lr == 0.01
+    assert speed == [pytest.approx(8 * 64 / 0.08)] * 12
+    valid = [(0, 6.0), (12, 5.0)]
     s = summarize(train, valid, [100.0, 300.0, 200.0], target=5.5, peak_lr=peak_lr)
     assert s["final_train_loss"] == pytest.approx(6.0 - 0.1 * 7.5)  # mean of iterations 3..12
     assert s["final_valid_loss"] == s["best_valid_loss"] == 5.0 and s["tokens_per_s"] == 200.0
@@ -79,16 +82,27 @@ def test_read_metrics_summarize_and_table(tmp_path):
     assert "| Muon |" in text and "not reached" in text and "every 12 iterations" in text
 
 
+def _variant_configs(flags_by_name: dict) -> dict:
+    """In a fresh process: each variant's flags through Megatron-LM's parser and validation."""
+    from megatron_muon.megatron_lm.integration import muon_config_from_megatron
+    from megatron_muon.megatron_lm.launch import validated_args
+
+    out = {}
+    for name, flags in flags_by_name.items():
+        cfg = muon_config_from_megatron(validated_args(["--recipe", "tiny_gqa", *flags]))
+        out[name] = (cfg.muon_variance_reduction, cfg.muon_cautious_weight_decay)
+    return out
+
+
 def test_variants_are_driver_flags(tmp_path):
     """Every --variants entry adds a Muon run whose extra flags the driver accepts."""
-    from megatron_muon.megatron_lm import arguments, optim
+    from megatron_muon.testing import run_distributed
     from tools.compare_optimizers import VARIANTS, driver_command, parse_args
 
     args, _ = parse_args(["--out", str(tmp_path), "--variants", "vr", "cautious"])
     assert args.variants == ["vr", "cautious"]
     for name, (_, _, flags) in VARIANTS.items():
-        cmd = driver_command("muon", tmp_path, "tiny_gqa", extra=flags, run=f"muon_{name}")
-        assert str(tmp_path / "runs" / f"muon_{name}.jsonl") in cmd
-        cfg = optim.optimizer_config(arguments.parse_args(["--recipe", "tiny_gqa", *flags], world_size=1))
-        assert cfg.muon_variance_reduction == (0.95 if name == "vr" else None)
-        assert cfg.muon_cautious_weight_decay == (name == "cautious")
+        cmd = driver_command("muon", tmp_path, "tiny_gqa", extra=flags)
+        assert cmd[-len(flags):] == flags
+    got = run_distributed(_variant_configs, 1, {n: v[2] for n, v in VARIANTS.items()}, timeout_s=200)[0]
+    assert got == {"vr": (0.95, False), "cautious": (None, True)}

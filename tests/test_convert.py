@@ -3,7 +3,9 @@ errors, on real Megatron-core checkpoints (CPU, gloo)."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -105,6 +107,12 @@ def _same(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
+def latest(root: str) -> str:
+    """The iteration directory Megatron-LM's tracker file in ``root`` names."""
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt")) as f:
+        return os.path.join(root, f"iter_{int(f.read()):07d}")
+
+
 def convert(*args) -> str:
     """Run tools/convert_checkpoint.py as a user would; returns its stdout."""
     done = subprocess.run(
@@ -123,7 +131,7 @@ def test_adam_to_muon_and_back(tmp_path):
     assert "'step': 2" in stats and "'muon_matrices': 4" in stats
     assert "optimizer: muon" in convert("inspect", muon_ckpt)
     # Loads into a different layout (TP2) and trains; weights are the AdamW run's.
-    ranks = run_distributed(_load_muon_and_train, 2, muon_ckpt, tp=2)
+    ranks = run_distributed(_load_muon_and_train, 2, latest(muon_ckpt), tp=2)
     assert _same(weights, [r["weights"] for r in ranks])
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
 
@@ -132,7 +140,7 @@ def test_adam_to_muon_and_back(tmp_path):
     weights = run_distributed(_save_muon, 2, ours)
     assert "exp_avg_sq of 4 former Muon matrices is zero" in convert("muon-to-adam", ours, adam_again, "--exp-avg", "momentum")
     assert "fully_reshardable" in convert("inspect", adam_again)
-    ranks = run_distributed(_load_megatron_adam_and_train, 2, adam_again)
+    ranks = run_distributed(_load_megatron_adam_and_train, 2, latest(adam_again))
     assert _same(weights, [r["weights"] for r in ranks])
     assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in ranks)
 
@@ -241,3 +249,161 @@ def test_inspect_cli_and_experts_cli(tmp_path):
     assert torch.equal(restored["decoder.layers.0.mlp.experts.weight2"], w2)
     bad = subprocess.run(run + ["inspect", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 2 and "error:" in bad.stderr
+
+
+def test_experts_says_which_format_it_needs(tmp_path):
+    run = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "experts"]
+    listed = tmp_path / "listed.pt"
+    torch.save({"model": [torch.zeros(2)]}, listed)
+    for src, says in ((tmp_path, "is a directory. torch_dist checkpoints"), (listed, "is a list, not a state dict")):
+        done = subprocess.run(run + [str(src), str(tmp_path / "out.pt"), "--to", "sequential", "--num-experts", "2"],
+                              capture_output=True, text=True)
+        assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "out.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------
+# On what tools/pretrain_gpt.py (Megatron-LM's loop) writes
+# ---------------------------------------------------------------------------------------
+
+PRETRAIN = [sys.executable, os.path.join(ROOT, "tools", "pretrain_gpt.py"), "--recipe", "tiny_gqa", "--eval-iters", "0",
+            "--make-vocab-size-divisible-by", "256", "--dist-ckpt-optim-fully-reshardable"]
+
+
+def pretrain(*args: str) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(PRETRAIN + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def tree(root) -> dict:
+    """Every file under ``root``: path -> (size, mtime_ns, content hash)."""
+    import hashlib
+
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, root)] = (os.path.getsize(path), os.stat(path).st_mtime_ns,
+                                                    hashlib.sha256(f.read()).hexdigest())
+    return out
+
+
+def converter(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *args],
+                          capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def driver_checkpoints(tmp_path_factory):
+    """Checkpoints written by tools/pretrain_gpt.py: AdamW (iterations 2, 4) and Muon (3, 6)."""
+    root = tmp_path_factory.mktemp("driver")
+    cache = str(root / "cache")
+    pretrain("--optimizer", "adam", "--train-iters", "4", "--save", str(root / "adam"), "--save-interval", "2",
+             "--data-cache-path", cache)
+    pretrain("--optimizer", "muon", "--train-iters", "6", "--save", str(root / "muon"), "--save-interval", "3",
+             "--data-cache-path", cache)
+    return root
+
+
+@pytest.mark.timeout(600)
+def test_driver_checkpoints_convert_and_resume_both_ways(driver_checkpoints, tmp_path):
+    """adam-to-muon on the AdamW job's checkpoint directory, resumed by --optimizer muon via
+    --load (the converter's tracker names iteration 4); its save, muon-to-adam, resumed by
+    --optimizer adam. Megatron-LM's own load path each time."""
+    root, cache = driver_checkpoints, str(driver_checkpoints / "cache")
+    stats = converter("adam-to-muon", str(root / "adam"), str(tmp_path / "muon"))
+    assert stats.returncode == 0 and "'muon_matrices': 4" in stats.stdout, stats.stderr[-2000:]
+    assert (tmp_path / "muon" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    out = pretrain("--optimizer", "muon", "--train-iters", "6", "--override-opt_param-scheduler", "--load", str(tmp_path / "muon"),
+                   "--save", str(tmp_path / "muon"), "--save-interval", "6", "--data-cache-path", cache)
+    assert "successfully loaded checkpoint" in out and "at iteration 4" in out and "iteration        6/" in out
+    back = converter("muon-to-adam", str(tmp_path / "muon"), str(tmp_path / "adam"))
+    assert back.returncode == 0 and "iter_0000006" in back.stdout, back.stderr[-2000:]
+    out = pretrain("--optimizer", "adam", "--train-iters", "8", "--override-opt_param-scheduler",
+                   "--load", str(tmp_path / "adam"), "--data-cache-path", cache)
+    loss = re.search(r"iteration        8/ .*?\| lm loss: ([0-9.E+-]+) \|", out)
+    assert "at iteration 6" in out and loss and math.isfinite(float(loss.group(1)))
+    # The source of each conversion is untouched; a wrong direction says the right one.
+    wrong = converter("adam-to-muon", str(tmp_path / "muon"), str(tmp_path / "again"))
+    assert wrong.returncode == 2 and "muon-to-adam" in wrong.stderr and not (tmp_path / "again").exists()
+    wrong = converter("muon-to-adam", str(root / "adam"), str(tmp_path / "again"))
+    assert wrong.returncode == 2 and "adam-to-muon" in wrong.stderr and not (tmp_path / "again").exists()
+
+
+def test_converter_never_loses_data(driver_checkpoints, tmp_path):
+    """Issue 13's reproduction (``muon-to-adam CKPT/iter_0000006 CKPT`` erased CKPT) and its
+    relatives: refused with exit code 2, every file of CKPT unchanged."""
+    import shutil
+
+    ckpt = tmp_path / "CKPT"
+    shutil.copytree(driver_checkpoints / "muon", ckpt)
+    before = tree(ckpt)
+    for src, dst in ((ckpt / "iter_0000006", ckpt), (ckpt, ckpt), (ckpt, ckpt / "converted"), (ckpt / "iter_0000006", ckpt / "iter_0000006")):
+        done = converter("muon-to-adam", str(src), str(dst))
+        assert done.returncode == 2 and "the source" in done.stderr, (src, dst, done.stderr[-2000:])
+        assert tree(ckpt) == before
+    # An existing destination iteration is refused unless --overwrite; other files are kept.
+    out = tmp_path / "adam"
+    assert converter("muon-to-adam", str(ckpt), str(out)).returncode == 0
+    (out / "mine.txt").write_text("the user's")
+    first = tree(out)
+    refused = converter("muon-to-adam", str(ckpt), str(out))
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr and tree(out) == first
+    assert converter("muon-to-adam", str(ckpt), str(out), "--overwrite").returncode == 0
+    assert (out / "mine.txt").read_text() == "the user's" and sorted(os.listdir(out)) == [
+        "iter_0000006", "latest_checkpointed_iteration.txt", "mine.txt"]
+    assert tree(ckpt) == before
+
+
+KILLED_DURING_WRITE = """
+import os, sys, time
+import megatron.core.dist_checkpointing as dcp
+save = dcp.save
+def save_then_hang(*args, **kwargs):
+    save(*args, **kwargs)
+    print("WRITTEN", flush=True)
+    time.sleep(600)
+dcp.save = save_then_hang
+from megatron_muon.convert import main
+main(sys.argv[1:])
+"""
+
+
+def _kill_when_written(*args: str) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_DURING_WRITE, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:
+            if "WRITTEN" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _tensors(path: str) -> dict:
+    from megatron_muon.convert import read_checkpoint
+
+    return read_checkpoint(path).tensors
+
+
+@pytest.mark.timeout(300)
+def test_killed_conversion_keeps_the_last_good_checkpoint(driver_checkpoints, tmp_path):
+    """Killed after writing its tensors, before publishing: a new destination does not
+    appear at all; an --overwrite of an existing one keeps the previous iteration and tracker,
+    which still load (same tensors as before)."""
+    src = str(driver_checkpoints / "muon")
+    fresh = tmp_path / "fresh"
+    _kill_when_written("muon-to-adam", src, str(fresh))
+    assert not fresh.exists()
+    out = tmp_path / "adam"
+    assert converter("muon-to-adam", src, str(out)).returncode == 0
+    before = tree(out)
+    _kill_when_written("muon-to-adam", src, str(out), "--overwrite", "--exp-avg", "momentum")
+    left = {k: v for k, v in tree(out).items() if ".tmp-" not in k}
+    assert left == before  # only the dead run's staging directory is new
+    good = run_distributed(_tensors, 1, str(out / "iter_0000006"))[0]
+    assert good and all(torch.isfinite(t).all() for t in good.values() if t.is_floating_point())

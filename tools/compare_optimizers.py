@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """AdamW against Muon on one recipe: same model, data, seed and schedule; two loss curves.
 
-Runs ``tools/pretrain_gpt.py`` twice, ``--optimizer adam`` (Megatron-core's AdamW) then
-``--optimizer muon``, with the same recipe, flags, seed and data cache, each writing a
-``--metrics-file``. Both learning rates are the recipe's ``lr`` unless ``--adam-lr`` /
+Runs ``tools/pretrain_gpt.py`` (Megatron-LM's training loop) twice, ``--optimizer adam``
+(Megatron-core's AdamW) then ``--optimizer muon``, with the same recipe, flags, seed and
+data cache, and reads Megatron-LM's own log lines (``iteration N/ M | ... | lm loss: ...``,
+``validation loss at iteration N | lm loss value: ...``). Both learning rates are the recipe's ``lr`` unless ``--adam-lr`` /
 ``--muon-lr`` say otherwise (Muon's default 'moonlight' update scale matches AdamW's update
 RMS, so an AdamW learning rate carries over); the schedule keeps the recipe's ``min-lr``
 (lowered to the learning rate when it is larger). Writes into ``--out``:
@@ -15,8 +16,8 @@ RMS, so an AdamW learning rate carries over); the schedule keeps the recipe's ``
   AdamW's final validation loss (linearly interpolated between evaluations, so good to
   about ``--eval-interval``; "not reached" when it never does), then the exact commands;
 * ``compare.json``: the same, the commands, and both curves;
-* ``runs/``: each run's output (``adam.log``) and ``--metrics-file`` (``adam.jsonl``),
-  removed at the end unless ``--keep-runs``.
+* ``runs/``: each run's output (``adam.log``, ``muon.log``), removed at the end unless
+  ``--keep-runs``.
 
 The table is also printed. Flags after ``--`` go to every run (``-- --seed 7``).
 ``--variants vr cautious`` adds Muon runs with nanochat's variance reduction
@@ -58,20 +59,19 @@ VARIANTS: Dict[str, Tuple[str, str, List[str]]] = {
 for _name, (_label, _color, _) in VARIANTS.items():
     LABELS[f"muon_{_name}"], COLORS[f"muon_{_name}"] = _label, _color
 LOSS_KEY = "lm loss"
-TOKENS = re.compile(r"tokens per second: ([0-9.]+)")
-DEVICE = re.compile(r"^> megatron-muon pretraining: (.*)$", re.M)
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
+VALID = re.compile(r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: ([0-9.E+-]+|nan|inf)")
+SEQ_LENGTH = re.compile(r"^\s+seq_length \.+ (\d+)$", re.M)
 Points = List[Tuple[int, float]]
 
 
 def driver_command(optimizer: str, out: Path, recipe: str, nproc: int = 1, lr: Optional[float] = None,
                    train_iters: Optional[int] = None, eval_interval: Optional[int] = None,
                    eval_iters: Optional[int] = None, data_cache_path: Optional[str] = None,
-                   extra: Sequence[str] = (), run: Optional[str] = None) -> List[str]:
-    """The ``pretrain_gpt.py`` command line of one run (``torchrun --standalone`` if nproc > 1);
-    ``run`` names its metrics file (default: the optimizer)."""
+                   extra: Sequence[str] = ()) -> List[str]:
+    """The ``pretrain_gpt.py`` command line of one run (``torchrun --standalone`` if nproc > 1)."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
-    cmd += [str(DRIVER), "--recipe", recipe, "--optimizer", optimizer, "--log-interval", "1",
-            "--metrics-file", str(out / "runs" / f"{run or optimizer}.jsonl")]
+    cmd += [str(DRIVER), "--recipe", recipe, "--optimizer", optimizer, "--log-interval", "1"]
     if lr is not None and not any(t.startswith("--min-lr") for t in extra):
         min_lr = _recipe_min_lr(recipe)
         if min_lr is not None and min_lr > lr:
@@ -104,9 +104,8 @@ def shown(cmd: Sequence[str]) -> str:
     return shlex.join(short(t) for t in cmd)
 
 
-def run_driver(cmd: Sequence[str], log: Path, metrics: Path) -> str:
-    """Run one training (metrics file removed first: the driver appends); its output goes to ``log``."""
-    metrics.unlink(missing_ok=True)
+def run_driver(cmd: Sequence[str], log: Path) -> str:
+    """Run one training; its output goes to ``log`` and is returned."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log.write_text(proc.stdout)
@@ -115,21 +114,38 @@ def run_driver(cmd: Sequence[str], log: Path, metrics: Path) -> str:
     return proc.stdout
 
 
-def read_metrics(path: Path) -> Tuple[Points, Points, Optional[float]]:
-    """``(train, valid, peak_lr)``: (iteration, loss) of every finite training step, and of
-    every evaluation (the end-of-training one only if it adds an iteration)."""
-    train, valid, lrs = [], {}, []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        if LOSS_KEY not in row:
+def _field(line: str, name: str) -> Optional[float]:
+    m = re.search(rf"\| {re.escape(name)}: +([0-9.E+-]+|nan|inf) ", line + " ")
+    return float(m.group(1)) if m else None
+
+
+def read_log(text: str) -> Tuple[Points, Points, Optional[float], List[float]]:
+    """``(train, valid, peak_lr, tokens_per_s)`` from Megatron-LM's log: (iteration, loss) of
+    every finite, not skipped training step and of every evaluation (the end-of-training one
+    only if it adds an iteration), and each step's tokens per second (global batch x
+    sequence length / elapsed time)."""
+    seq = SEQ_LENGTH.search(text)
+    train, valid, lrs, speed = [], {}, [], []
+    for m in ITERATION.finditer(text):
+        line = m.group(2)
+        loss, skipped = _field(line, LOSS_KEY), _field(line, "number of skipped iterations")
+        if loss is None or skipped or not math.isfinite(loss):
             continue
-        split = row.get("split")
-        if split is None and not row.get("skipped") and math.isfinite(row[LOSS_KEY]):
-            train.append((row["iteration"], row[LOSS_KEY]))
-            lrs.append(row.get("lr", 0.0))
-        elif split == "validation" or (split == "validation (end of training)" and row["iteration"] not in valid):
-            valid[row["iteration"]] = row[LOSS_KEY]
-    return train, sorted(valid.items()), max(lrs, default=None)
+        train.append((int(m.group(1)), loss))
+        lrs.append(_field(line, "learning rate") or 0.0)
+        ms, batch = _field(line, "elapsed time per iteration (ms)"), _field(line, "global batch size")
+        if seq and ms and batch:
+            speed.append(batch * int(seq.group(1)) / (ms / 1000.0))
+    for m in VALID.finditer(text):
+        valid.setdefault(int(m.group(1)), float(m.group(2)))
+    return train, sorted(valid.items()), max(lrs, default=None), speed
+
+
+def describe_device(nproc: int) -> str:
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
+    return f"{nproc} process(es), {where}"
 
 
 def iterations_to_reach(valid: Points, target: float) -> Optional[float]:
@@ -237,7 +253,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--adam-lr", type=float, default=None, help="AdamW's --lr (default: the recipe's)")
     p.add_argument("--muon-lr", type=float, default=None, help="Muon's --lr (default: the recipe's)")
     p.add_argument("--data-cache-path", default=None, help="shared by both runs (default: the driver's)")
-    p.add_argument("--keep-runs", action="store_true", help="keep OUT/runs/ (logs and metrics files)")
+    p.add_argument("--keep-runs", action="store_true", help="keep OUT/runs/ (the runs' logs)")
     p.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
                    help="also run Muon with these variants: " + "; ".join(
                        f"{k}: {v[0]} ({' '.join(v[2])})" for k, v in VARIANTS.items()))
@@ -255,14 +271,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, opt, flags in plan:
         cmd = driver_command(opt, out, args.recipe, args.nproc, args.adam_lr if opt == "adam" else args.muon_lr,
                              args.train_iters, args.eval_interval, args.eval_iters, args.data_cache_path,
-                             [*extra, *flags], run=name)
+                             [*extra, *flags])
         commands[name] = shown(cmd)
         print(f"[compare] {commands[name]}", flush=True)
-        stdout = run_driver(cmd, runs / f"{name}.log", runs / f"{name}.jsonl")
-        device = device or next(iter(DEVICE.findall(stdout)), "")
-        train, valid, peak_lr = read_metrics(runs / f"{name}.jsonl")
+        train, valid, peak_lr, throughput[name] = read_log(run_driver(cmd, runs / f"{name}.log"))
         curves[name] = {"train": train, "valid": valid, "peak_lr": peak_lr}
-        throughput[name] = [float(x) for x in TOKENS.findall(stdout)]
+    device = describe_device(args.nproc)
     adam_valid = curves["adam"]["valid"]
     target = adam_valid[-1][1] if adam_valid else None
     summaries = {o: summarize(c["train"], c["valid"], throughput[o], target, c["peak_lr"]) for o, c in curves.items()}

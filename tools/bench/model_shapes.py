@@ -91,14 +91,16 @@ class ModelShape:
 
 
 def from_recipe(recipe: str, gpus: int, tp: int, pp: int, ep: int, etp: Optional[int] = None) -> ModelShape:
-    """A recipe read by the training driver's own parser (same defaults and derived values)."""
-    from megatron_muon.megatron_lm import arguments, sizing
+    """A recipe read by Megatron-LM's own parser and validation (as ``tools/pretrain_gpt.py``
+    reads it: same defaults and derived values)."""
+    from megatron_muon.megatron_lm.launch import validated_args
+    from tools.bench import sizing
 
     argv = ["--recipe", recipe, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
             "--expert-model-parallel-size", str(ep)]
     if etp is not None:
         argv += ["--expert-tensor-parallel-size", str(etp)]
-    args = arguments.parse_args(argv, world_size=gpus)
+    args = validated_args(argv, world_size=gpus)
     divisor = args.make_vocab_size_divisible_by * tp
     vocab = -(-args.vocab_size // divisor) * divisor
     return ModelShape(

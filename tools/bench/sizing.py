@@ -1,7 +1,7 @@
 """Parameter counts of a GPT from its arguments, without building it.
 
-Used to check recipes of real-size models against their published totals and printed at
-start-up. Counts weights only (no biases: the recipes use ``--disable-bias-linear``);
+Used by the benchmarks and to check recipes of real-size models against their published
+totals. Counts weights only (no biases: the recipes use ``--disable-bias-linear``);
 ``active`` counts the experts a token is routed to (top-k routed plus the shared ones).
 """
 

@@ -1,0 +1,214 @@
+"""Our thin layers on Megatron-LM's launch, for ``tools/pretrain_gpt.py``.
+
+* ``--recipe NAME|FILE``: a YAML file of Megatron-LM flags, expanded in front of the command
+  line (which therefore overrides it) before Megatron-LM's own ``parse_and_validate_args``;
+* ``--optimizer muon`` and the ``--muon-*`` flags (:func:`.integration.use_megatron_muon`);
+* defaults where Megatron-LM's assume hardware that is absent: gloo without a GPU, the local
+  transformer implementation and no TE fused kernels without transformer-engine, and the
+  built-in byte corpus's tokenizer (``NullTokenizer``, vocabulary 257) when none is named;
+* QK-Clip / max-logit logging with our recording attention where Megatron-LM asks for TE;
+* bad input as one line on stderr with exit code 2, before any model is built (argparse
+  errors, Megatron-LM's validation asserts, invalid ``--muon-*`` values, a ``--load``
+  without a checkpoint under ``--exit-on-missing-checkpoint``);
+* the CPU patches (:mod:`.cpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import io
+import os
+import sys
+from typing import List, Optional, Sequence
+
+from . import corpus, cpu, recipes
+from .integration import use_megatron_muon
+
+DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": corpus.BYTE_VOCAB_SIZE}
+"""Megatron-LM's ``args_defaults``: the built-in byte corpus's tokenizer when none is named."""
+NO_TE_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False, "no_persist_layer_norm": True,
+                  "gradient_accumulation_fusion": False}
+"""Defaults without transformer-engine (Megatron-LM's assume it): its fused kernels are absent."""
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments: recipes, CPU defaults
+# ---------------------------------------------------------------------------------------
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--recipe`` (expanded before parsing, listed here for ``--help``) and the CPU defaults
+    (gloo, the local transformer implementation) where there is no GPU / transformer-engine."""
+    group = parser.add_argument_group("megatron_muon")
+    group.add_argument("--recipe", default=None, metavar="NAME|FILE",
+                       help="YAML file (or name under recipes/) of Megatron-LM flags; the command line overrides it. "
+                       f"Available: {', '.join(recipes.available_recipes())}.")
+    parser.error = functools.partial(_one_line_error, parser.prog)  # not Megatron-LM's 3,000-line usage
+    if not cpu.use_cuda():
+        parser.set_defaults(distributed_backend="gloo")
+    from megatron_muon.layer_specs import transformer_engine_available
+
+    if not transformer_engine_available():
+        parser.set_defaults(**NO_TE_DEFAULTS)
+    return parser
+
+
+def _one_line_error(prog: str, message: str) -> None:
+    """Bad input: one line on stderr, exit code 2 (argparse's code), nothing built."""
+    lines = str(message).strip().splitlines()
+    print(f"{os.path.basename(prog)}: error: {lines[0] if lines else message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def expand_recipe(argv: Sequence[str]) -> List[str]:
+    """``argv`` with ``--recipe X`` replaced by the recipe's flags, placed first (so the
+    command line overrides them). Raises ``RecipeError``."""
+    import megatron.training.arguments as arguments
+
+    argv = list(argv)
+    given = [i for i, a in enumerate(argv) if a == "--recipe" or a.startswith("--recipe=")]
+    if not given:
+        return argv
+    if len(given) > 1:
+        raise recipes.RecipeError("--recipe given more than once")
+    i = given[0]
+    if argv[i] == "--recipe":
+        if i + 1 >= len(argv):
+            raise recipes.RecipeError("--recipe needs a name or a file")
+        name, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+    parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return recipes.recipe_to_argv(recipes.load_recipe(name), parser) + rest
+
+
+def accept_qk_clip_with_recording_attention() -> None:
+    """Megatron-LM's ``validate_args`` refuses ``--qk-clip`` / ``--log-max-attention-logit``
+    without transformer-engine >= 2.9 (TE's attention records the max logits). Our local
+    layer spec's ``RecordingDotProductAttention`` records them too, so with
+    ``--transformer-impl local`` (and no ``--spec`` of the user's) the flags are hidden
+    from that one check and restored after it; everything else validates as before."""
+    import megatron.training.arguments as arguments
+
+    inner = arguments.validate_args
+    if getattr(inner, "__megatron_muon_qk_clip__", False):
+        return
+
+    @functools.wraps(inner)
+    def validate_args(args, *a, **kw):
+        ours = args.transformer_impl == "local" and args.spec is None
+        saved = (args.qk_clip, args.log_max_attention_logit)
+        if ours:
+            args.qk_clip = args.log_max_attention_logit = False
+        try:
+            return inner(args, *a, **kw)
+        finally:
+            if ours:
+                args.qk_clip, args.log_max_attention_logit = saved
+
+    validate_args.__megatron_muon_qk_clip__ = True
+    arguments.validate_args = validate_args
+
+
+def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
+    """Megatron-LM's ``parse_and_validate_args`` on ``argv`` with the recipe expanded.
+
+    Bad input (unknown recipe, invalid ``--muon-*`` value, a flag Megatron-LM rejects) ends
+    the process with one line on stderr and exit code 2, before any model is built.
+    """
+    from megatron.training.arguments import parse_and_validate_args
+
+    with _errors_as_one_line():
+        sys.argv = [_prog()] + expand_recipe(argv)
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
+        corpus.check_tokenizer(args)
+        check_checkpoint_to_load(args)
+    return args
+
+
+def check_checkpoint_to_load(args: argparse.Namespace) -> None:
+    """With ``--exit-on-missing-checkpoint``, a ``--load`` without a checkpoint fails here
+    (exit code 2, nothing built or written). Megatron-LM stops too, but with ``sys.exit()``,
+    status 0, which a launch script reads as a finished run."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    if not (args.load and args.exit_on_missing_checkpoint) or os.path.isfile(get_checkpoint_tracker_filename(args.load)):
+        return
+    if args.ckpt_step is not None and os.path.isdir(os.path.join(args.load, f"iter_{args.ckpt_step:07d}")):
+        return
+    raise ValueError(f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
+                     f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
+                     "--exit-on-missing-checkpoint is set: check the path")
+
+
+def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespace:
+    """Megatron-LM's parsed and validated arguments for ``argv`` as ``world_size`` ranks would
+    see them, without starting anything (for tools that read a configuration, e.g. a recipe)."""
+    import megatron.training.arguments as arguments
+
+    install_argument_layers()
+    if not cpu.use_cuda():
+        cpu.no_device_architecture()  # validation reads it with TP > 1
+    with _errors_as_one_line():
+        sys.argv = [_prog()] + expand_recipe(argv)
+        args = arguments.parse_args(extra_args_provider)
+        args.rank, args.world_size = 0, world_size
+        # Only a GPU kernel's availability is checked for it (torch.cuda, absent here).
+        grouped, args.moe_grouped_gemm = args.moe_grouped_gemm, args.moe_grouped_gemm and cpu.use_cuda()
+        with contextlib.redirect_stdout(io.StringIO()):  # its listing of every argument
+            arguments.validate_args(args, DEFAULTS)
+        args.moe_grouped_gemm = grouped
+    return args
+
+
+def _prog() -> str:
+    return sys.argv[0] if sys.argv else "pretrain_gpt.py"
+
+
+@contextlib.contextmanager
+def _errors_as_one_line():
+    """Validation errors (Megatron-LM asserts, our ValueErrors) as :func:`_one_line_error`."""
+    saved = list(sys.argv)
+    try:
+        yield
+    except (recipes.RecipeError, corpus.CorpusError, ValueError, AssertionError) as exc:
+        _one_line_error(saved[0] if saved else "pretrain_gpt.py", str(exc) or type(exc).__name__)
+    finally:
+        sys.argv = saved
+
+
+def install_argument_layers() -> None:
+    """Our layers on Megatron-LM's argument handling: ``--optimizer muon`` and the
+    ``--muon-*`` flags (``use_megatron_muon``) and QK-Clip with our recording attention."""
+    use_megatron_muon()
+    accept_qk_clip_with_recording_attention()
+
+
+def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Everything before ``pretrain()``: the CPU patches where there is no GPU, a one-process
+    rendezvous for a plain ``python`` launch, our argument layers, then Megatron-LM's parsed
+    and validated arguments (set as its global arguments, as ``parse_and_validate_args`` does)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cpu.install()
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: one process, no launcher
+        from megatron_muon.cpu import set_single_process_rendezvous
+
+        set_single_process_rendezvous()
+    install_argument_layers()
+    return parse_and_validate(argv)
+
+
+def console_main() -> int:
+    """``megatron-muon-pretrain``: runs ``tools/pretrain_gpt.py`` (installed beside the recipes)."""
+    import runpy
+    from pathlib import Path
+
+    for candidate in (Path(__file__).resolve().parents[2] / "tools", Path(sys.prefix) / "share" / "megatron_muon" / "tools"):
+        script = candidate / "pretrain_gpt.py"
+        if script.is_file():
+            sys.argv[0] = str(script)
+            runpy.run_path(str(script), run_name="__main__")
+            return 0
+    raise SystemExit("megatron-muon-pretrain: tools/pretrain_gpt.py is not installed (reinstall megatron-muon)")
