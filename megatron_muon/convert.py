@@ -41,7 +41,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from .checkpoint import _READ_ERRORS, FORMAT, CheckpointError
-from .integrity import has_manifest, verify_manifest, write_manifest
+from .integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
 
 STATE_PREFIX = "optimizer.state."
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
@@ -516,6 +516,6 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"wrote {args.dst}")
         else:
             _print_to_pipe(inspect(args.path))
-    except CheckpointError as e:
+    except (CheckpointError, CheckpointIntegrityError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
