@@ -71,8 +71,10 @@ class MuonConfig(OptimizerConfig):
     approximation). 'duplicated': every tensor-parallel rank orthogonalizes the whole
     matrix for itself (exact, TP-times the work)."""
 
-    muon_comm_dtype: torch.dtype = torch.bfloat16
-    """Dtype of the momentum and update pieces on the wire."""
+    muon_comm_dtype: Optional[torch.dtype] = None
+    """Dtype of the momentum and update pieces on the wire. None (default): the Newton–Schulz
+    compute dtype ``muon_ns_dtype``, so fp32 Newton–Schulz is fp32 end to end and bf16
+    Newton–Schulz keeps the bf16 wire (half the bytes). Set it to use another wire dtype."""
 
     muon_chunk_numel: int = 64 * 1024 * 1024
     """Approximate number of matrix elements per pipeline chunk (summed over ranks)."""
@@ -148,11 +150,16 @@ class MuonConfig(OptimizerConfig):
                 f"MuonConfig.muon_ns_dtype={self.muon_ns_dtype} is not supported; "
                 "use torch.bfloat16 or torch.float32."
             )
-        if self.muon_comm_dtype not in (torch.bfloat16, torch.float32, torch.float16):
+        if self.muon_comm_dtype not in (None, torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(
                 f"MuonConfig.muon_comm_dtype={self.muon_comm_dtype} is not supported; "
-                "use torch.bfloat16 or torch.float32."
+                "use None (= muon_ns_dtype), torch.bfloat16 or torch.float32."
             )
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        """The dtype Muon's pieces travel in: ``muon_comm_dtype``, or ``muon_ns_dtype`` if None."""
+        return self.muon_comm_dtype if self.muon_comm_dtype is not None else self.muon_ns_dtype
 
 
 def update_scale(config: MuonConfig, rows: int, cols: int) -> float:

@@ -188,7 +188,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             cfg.muon_num_ns_steps,
             cfg.muon_coefficient_type,
             cfg.muon_ns_dtype,
-            cfg.muon_comm_dtype,
+            cfg.comm_dtype,
             cfg.muon_max_inflight_chunks,
             device,
             name=self.name,

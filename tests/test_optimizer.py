@@ -24,8 +24,7 @@ BASE_CFG = dict(
     muon_momentum=0.9,
     adam_beta1=0.9,
     adam_beta2=0.95,
-    muon_ns_dtype=torch.float32,
-    muon_comm_dtype=torch.float32,
+    muon_ns_dtype=torch.float32,  # muon_comm_dtype None follows it: fp32 end to end
 )
 # bf16 Newton–Schulz; pieces travel in fp32 so that the comparison measures NS precision,
 # not the extra bf16 rounding of the (default) bf16 wire format, which AdamW then amplifies
