@@ -76,6 +76,15 @@ class MuonConfig(OptimizerConfig):
     compute dtype ``muon_ns_dtype``, so fp32 Newton–Schulz is fp32 end to end and bf16
     Newton–Schulz keeps the bf16 wire (half the bytes). Set it to use another wire dtype."""
 
+    muon_buffer_layout: str = "owner"
+    """DDP buffer layout the Muon step expects. 'owner': every Muon matrix sits whole in
+    the DP shard of the rank that orthogonalizes it (build DDP with
+    ``full_param_layout=megatron_muon.muon_param_layout(config, chunk, ddp_config)``), so
+    Muon moves only TP pieces inside the TP group and no optimizer bytes over DP. 'megatron':
+    Megatron's byte-level layout (matrices cut at shard bounds, pieces gathered over DP).
+    If 'owner' is asked but DDP was built without the layout, ``get_muon_optimizer`` logs a
+    warning and runs on Megatron's layout."""
+
     muon_chunk_numel: int = 64 * 1024 * 1024
     """Approximate number of matrix elements per pipeline chunk (summed over ranks)."""
 
@@ -149,6 +158,11 @@ class MuonConfig(OptimizerConfig):
             raise ValueError(
                 f"MuonConfig.muon_ns_dtype={self.muon_ns_dtype} is not supported; "
                 "use torch.bfloat16 or torch.float32."
+            )
+        if self.muon_buffer_layout not in ("owner", "megatron"):
+            raise ValueError(
+                f"MuonConfig.muon_buffer_layout={self.muon_buffer_layout!r} is not supported; "
+                "use 'owner' or 'megatron'."
             )
         if self.muon_comm_dtype not in (None, torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(

@@ -58,8 +58,8 @@ def build(spec: M.TinyModelSpec, ddp: dict | None = None, **cfg_overrides):
 
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
-    model = M.wrap_ddp(chunks, chunks[0].config, **(ddp or {}))
     cfg = muon_config(spec, **cfg_overrides)
+    model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg, **(ddp or {}))
     opt = get_muon_optimizer(cfg, model)
     return chunks, model, opt, scheduler(opt, cfg)
 
@@ -123,6 +123,8 @@ EXTRA = {
     "split": dict(muon_qkv_split="head", muon_split_glu=True),
     "group": dict(muon_qkv_split="group"),
     "chunks": dict(muon_chunk_numel=3000, muon_max_inflight_chunks=2),
+    # Megatron's byte-level DDP layout (the other variants use the owner-aligned default).
+    "megatron": dict(muon_buffer_layout="megatron"),
 }
 # Same numbers with DDP overlapping the grad reduce-scatter and param all-gather, in small
 # buckets (so parameters straddle bucket and shard boundaries).

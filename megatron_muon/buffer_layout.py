@@ -1,0 +1,245 @@
+"""Owner-aligned DDP buffers: every Muon matrix lands, whole, in the DP shard of its owner.
+
+Megatron DDP lays parameters out in contiguous buffers, and the distributed optimizer gives
+DP rank ``r`` the ``r``-th equal slice (shard) of every bucket. With Megatron's byte-level
+layout the shard bounds cut through matrices, so an exact Muon must move pieces across DP
+ranks. Megatron-core 0.19 lets the optimizer choose the layout
+(``DistributedDataParallel(full_param_layout=...)``); this module computes ours:
+
+* Muon matrix parameters are tagged ``is_managed_by_layer_wise_optimizer`` (Megatron's own
+  routing attribute) so DDP puts them in buffers of their own, dense and expert apart; the
+  scalar (AdamW) parameters keep ``DistributedOptimizer``'s byte-level layout in theirs.
+* In a Muon buffer, every bucket is cut into ``dp`` equal shards of ``C`` elements and
+  whole parameters are packed into them: largest Newton–Schulz cost first, each to the
+  shard with the least Newton–Schulz load among those it still fits in, so the shards hold
+  equal bytes (they are all ``C`` long) and balanced Newton–Schulz FLOPs. A parameter
+  larger than a shard is the one exception: it is laid out across consecutive shards.
+  ``C`` starts at the bucket's mean shard size and grows by 1 % until everything fits,
+  which keeps padding to about one parameter per shard.
+* Every TP rank computes the same layout from the same local shapes, so each TP piece of
+  a matrix sits at the same DP index on every TP rank: the DP reduce-scatter delivers a
+  matrix to the DP index that owns it, and Muon only moves TP pieces inside the TP group.
+
+``muon_param_layout`` is the public entry point (call it on each un-wrapped model chunk and
+pass the result to DDP); ``get_muon_optimizer`` recognises the layout (``MuonParamLayout``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.param_layout import (
+    FullParamLayout,
+    PerBufferParamLayout,
+    bucket_end_divisor,
+    pad_param_start,
+    pad_to_divisor,
+)
+
+from .config import MuonConfig
+from .newton_schulz import newton_schulz_flops
+
+GROWTH = 1.01
+"""Shard capacity grows by this factor while the parameters do not fit."""
+
+
+@dataclass
+class MuonParamLayout(FullParamLayout):
+    """A ``FullParamLayout`` computed by :func:`muon_param_layout` (owner-aligned Muon buffers)."""
+
+
+def muon_param_layout(
+    config: MuonConfig,
+    model_chunk: torch.nn.Module,
+    ddp_config,
+    disable_bucketing: bool = False,
+    pg_collection=None,
+) -> MuonParamLayout:
+    """The owner-aligned ``full_param_layout`` for one un-wrapped model chunk.
+
+    Build every chunk's layout with the same ``config`` and ``ddp_config`` you then give
+    ``DistributedDataParallel`` and ``get_muon_optimizer``::
+
+        layout = muon_param_layout(config, chunk, ddp_config, disable_bucketing=i > 0)
+        DistributedDataParallel(tf_config, ddp_config, chunk, disable_bucketing=i > 0,
+                                full_param_layout=layout)
+
+    Tags the chunk's Muon parameters (``is_managed_by_layer_wise_optimizer = True``) so DDP
+    routes them to their own buffers. Bucket size, DP sizes and TP sizes are taken exactly
+    as DDP and ``get_muon_optimizer`` take them (``pg_collection`` or Megatron's
+    ``parallel_state``).
+    """
+    from megatron.core import parallel_state
+
+    from .matrices import collect_muon_params
+
+    if pg_collection is not None:
+        dp_size, edp_size = pg_collection.intra_dp_cp.size(), pg_collection.intra_expt_dp.size()
+        tp_size, etp_size = pg_collection.tp.size(), getattr(pg_collection, "expt_tp", pg_collection.tp).size()
+        pp_rank = pg_collection.pp.rank()
+    else:
+        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
+        edp_size = parallel_state.get_expert_data_parallel_world_size(partial_expert_data_parallel=True)
+        tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        etp_size = parallel_state.get_expert_tensor_parallel_world_size()
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    bucket_size = ddp_config.bucket_size
+    if bucket_size is None:
+        bucket_size = max(40_000_000, 1_000_000 * dp_size)  # DDP's default
+    if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
+        bucket_size = None
+
+    def tp_size_of(param: torch.nn.Parameter) -> int:
+        return etp_size if not getattr(param, "allreduce", True) else tp_size
+
+    muon_params, _ = collect_muon_params([model_chunk], config, tp_size_of)
+    flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps) for mp in muon_params}
+    tag_muon_params(flops)
+    params = [p for p in model_chunk.parameters() if p.requires_grad]
+    return compute_full_param_layout(params, flops, bucket_size, dp_size, ddp_config, edp_size)
+
+
+def muon_param_flops(muon_param, ns_steps: int) -> int:
+    """Newton–Schulz FLOPs of all logical matrices of one parameter (full shapes)."""
+    return sum(
+        newton_schulz_flops(*m.ns_shape, ns_steps, batch=m.column_groups) for m in muon_param.matrices
+    )
+
+
+def tag_muon_params(params: Sequence[torch.nn.Parameter]) -> None:
+    """Route ``params`` to DDP buffers of their own (Megatron's buffer-routing attribute)."""
+    for param in params:
+        param.is_managed_by_layer_wise_optimizer = True
+
+
+def compute_full_param_layout(
+    params: List[torch.nn.Parameter],
+    flops: Dict[torch.nn.Parameter, int],
+    bucket_size: Optional[int],
+    data_parallel_world_size: int,
+    ddp_config,
+    expert_data_parallel_world_size: Optional[int] = None,
+) -> MuonParamLayout:
+    """Like ``DistributedOptimizer.compute_full_param_layout``: one layout per DDP buffer,
+    owner-aligned for the tagged (Muon) buffers, Megatron's byte-level for the rest."""
+    layouts = {}
+    for key, (group_params, param_indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
+        dp = data_parallel_world_size
+        if key.is_expert_parallel and expert_data_parallel_world_size is not None:
+            dp = expert_data_parallel_world_size
+        if key.is_managed_by_layer_wise_optimizer:
+            layouts[key] = owner_aligned_layout(
+                group_params, lambda p: flops.get(p, 0), bucket_size, dp, ddp_config, param_indices
+            )
+        else:
+            layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
+                group_params, bucket_size, dp, ddp_config, param_indices
+            )
+    return MuonParamLayout(layouts=layouts)
+
+
+def owner_aligned_layout(
+    params: List[torch.nn.Parameter],
+    cost: Callable[[torch.nn.Parameter], int],
+    bucket_size: Optional[int],
+    dp_size: int,
+    ddp_config,
+    param_indices: Optional[List[int]] = None,
+) -> PerBufferParamLayout:
+    """Whole parameters packed into equal DP shards, balanced by ``cost`` (NS FLOPs).
+
+    Buckets follow backprop order as in Megatron's layouts (so ``overlap_grad_reduce`` still
+    overlaps); a bucket closes once it holds ``max(bucket_size, dp x its largest param)``
+    elements, so most parameters are small next to a shard.
+    """
+    shard_divisor = math.lcm(64, bucket_end_divisor(dp_size, ddp_config.pad_buckets_for_high_nccl_busbw) // dp_size)
+    param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
+    bucket_indices: List[Tuple[int, int]] = []
+    unpadded: List[int] = []
+
+    def emit(chunk: List[torch.nn.Parameter]) -> None:
+        if not chunk:
+            return
+        start = bucket_indices[-1][1] if bucket_indices else 0
+        capacity, placement = _pack_bucket(chunk, cost, dp_size, shard_divisor)
+        for param, offset in placement.items():
+            param_index_map[param] = (start + offset, start + offset + param.numel(), len(bucket_indices))
+        bucket_indices.append((start, start + dp_size * capacity))
+        unpadded.append(sum(p.numel() for p in chunk))
+
+    chunk: List[torch.nn.Parameter] = []
+    numel = largest = 0
+    for param in reversed(params):
+        chunk.append(param)
+        numel += param.numel()
+        largest = max(largest, param.numel())
+        if bucket_size is not None and numel >= max(bucket_size, dp_size * largest):
+            emit(chunk)
+            chunk, numel, largest = [], 0, 0
+    emit(chunk)
+    return PerBufferParamLayout(
+        param_index_map=param_index_map,
+        bucket_indices=bucket_indices,
+        per_bucket_numel_unpadded=unpadded,
+        param_indices=param_indices if param_indices is not None else [],
+        num_optimizer_shards=dp_size,
+    )
+
+
+def _pack_bucket(
+    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, divisor: int
+) -> Tuple[int, Dict[torch.nn.Parameter, int]]:
+    """(shard size, offset of each param in the bucket): the smallest shard size (from the
+    mean up, in 1 % steps) at which the packing succeeds."""
+    total = sum(pad_param_start(p.numel()) for p in params)
+    capacity = pad_to_divisor(max(-(-total // dp), 1), divisor)
+    while True:
+        placement = _try_pack(params, cost, dp, capacity)
+        if placement is not None:
+            return capacity, placement
+        capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
+
+
+def _try_pack(
+    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, capacity: int
+) -> Optional[Dict[torch.nn.Parameter, int]]:
+    """Place params larger than a shard back to back from shard 0 (they straddle), then the
+    rest whole: largest cost first, to the least-loaded shard with room. None if one does
+    not fit."""
+    placement: Dict[torch.nn.Parameter, int] = {}
+    used = [0] * dp
+    loads = [0] * dp
+    cursor = 0
+    order = {p: i for i, p in enumerate(params)}
+    for param in (p for p in params if p.numel() > capacity):
+        cursor = pad_param_start(cursor)
+        placement[param] = cursor
+        first, last = cursor // capacity, (cursor + param.numel() - 1) // capacity
+        if last >= dp:
+            return None
+        # The owner is one of its holders; count its cost where most of it lies.
+        middle = (cursor + param.numel() // 2) // capacity
+        loads[middle] += cost(param)
+        cursor += param.numel()
+        for s in range(first, last + 1):
+            used[s] = max(used[s], min(capacity, cursor - s * capacity))
+    for param in sorted((p for p in params if p.numel() <= capacity), key=lambda p: (-cost(p), -p.numel(), order[p])):
+        room = [s for s in range(dp) if pad_param_start(used[s]) + param.numel() <= capacity]
+        if not room:
+            return None
+        s = min(room, key=lambda r: (loads[r], used[r], r))
+        offset = pad_param_start(used[s])
+        placement[param] = s * capacity + offset
+        used[s] = offset + param.numel()
+        loads[s] += cost(param)
+    return placement
+
+
+def is_muon_param_layout(model_chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether every DDP chunk was built with :func:`muon_param_layout`."""
+    return all(isinstance(getattr(c, "full_param_layout", None), MuonParamLayout) for c in model_chunks)
