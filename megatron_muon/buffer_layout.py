@@ -27,6 +27,7 @@ pass the result to DDP); ``get_muon_optimizer`` recognises the layout (``MuonPar
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -47,6 +48,14 @@ from .newton_schulz import newton_schulz_flops
 GROWTH = 1.01
 """Shard capacity grows by this factor while the parameters do not fit."""
 
+PARAMS_PER_SHARD = 8
+"""A bucket closes once each of its shards has room for this many of its largest params
+(or at DDP's bucket size, whichever is larger): whole params then pack with little padding."""
+
+WHOLE_PARAM_SLACK = 0.02
+"""Padding (fraction of a bucket) accepted to keep every param whole in one shard before
+falling back to whole params per node (see ``_pack_bucket``)."""
+
 
 @dataclass
 class MuonParamLayout(FullParamLayout):
@@ -59,6 +68,7 @@ def muon_param_layout(
     ddp_config,
     disable_bucketing: bool = False,
     pg_collection=None,
+    gpus_per_node: Optional[int] = None,
 ) -> MuonParamLayout:
     """The owner-aligned ``full_param_layout`` for one un-wrapped model chunk.
 
@@ -72,7 +82,9 @@ def muon_param_layout(
     Tags the chunk's Muon parameters (``is_managed_by_layer_wise_optimizer = True``) so DDP
     routes them to their own buffers. Bucket size, DP sizes and TP sizes are taken exactly
     as DDP and ``get_muon_optimizer`` take them (``pg_collection`` or Megatron's
-    ``parallel_state``).
+    ``parallel_state``). ``gpus_per_node`` (default: torchrun's ``LOCAL_WORLD_SIZE``, else
+    the visible GPUs) keeps a matrix that must straddle DP shards inside one node where it
+    can (Megatron orders ranks TP, CP, EP fastest, then DP).
     """
     from megatron.core import parallel_state
 
@@ -88,6 +100,10 @@ def muon_param_layout(
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    cp_size = parallel_state.get_context_parallel_world_size()
+    ep_size = parallel_state.get_expert_model_parallel_world_size()
+    if gpus_per_node is None:
+        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count() or 1
     bucket_size = ddp_config.bucket_size
     if bucket_size is None:
         bucket_size = max(40_000_000, 1_000_000 * dp_size)  # DDP's default
@@ -101,7 +117,10 @@ def muon_param_layout(
     flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps) for mp in muon_params}
     tag_muon_params(flops)
     params = [p for p in model_chunk.parameters() if p.requires_grad]
-    return compute_full_param_layout(params, flops, bucket_size, dp_size, ddp_config, edp_size)
+    return compute_full_param_layout(
+        params, flops, bucket_size, dp_size, ddp_config, edp_size,
+        shards_per_node=(max(1, gpus_per_node // (tp_size * cp_size)), max(1, gpus_per_node // (etp_size * ep_size))),
+    )
 
 
 def muon_param_flops(muon_param, ns_steps: int) -> int:
@@ -124,9 +143,11 @@ def compute_full_param_layout(
     data_parallel_world_size: int,
     ddp_config,
     expert_data_parallel_world_size: Optional[int] = None,
+    shards_per_node: Tuple[int, int] = (1, 1),
 ) -> MuonParamLayout:
     """Like ``DistributedOptimizer.compute_full_param_layout``: one layout per DDP buffer,
-    owner-aligned for the tagged (Muon) buffers, Megatron's byte-level for the rest."""
+    owner-aligned for the tagged (Muon) buffers, Megatron's byte-level for the rest.
+    ``shards_per_node``: consecutive (dense, expert) DP shards that share a node."""
     layouts = {}
     for key, (group_params, param_indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
         dp = data_parallel_world_size
@@ -134,7 +155,8 @@ def compute_full_param_layout(
             dp = expert_data_parallel_world_size
         if key.is_managed_by_layer_wise_optimizer:
             layouts[key] = owner_aligned_layout(
-                group_params, lambda p: flops.get(p, 0), bucket_size, dp, ddp_config, param_indices
+                group_params, lambda p: flops.get(p, 0), bucket_size, dp, ddp_config, param_indices,
+                shards_per_node[1 if key.is_expert_parallel else 0],
             )
         else:
             layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
@@ -150,12 +172,15 @@ def owner_aligned_layout(
     dp_size: int,
     ddp_config,
     param_indices: Optional[List[int]] = None,
+    shards_per_node: int = 1,
 ) -> PerBufferParamLayout:
     """Whole parameters packed into equal DP shards, balanced by ``cost`` (NS FLOPs).
 
     Buckets follow backprop order as in Megatron's layouts (so ``overlap_grad_reduce`` still
-    overlaps); a bucket closes once it holds ``max(bucket_size, dp x its largest param)``
-    elements, so most parameters are small next to a shard.
+    overlaps); a bucket closes once it holds ``max(bucket_size, PARAMS_PER_SHARD x dp x its
+    largest param)`` elements, so most parameters are small next to a shard.
+    ``shards_per_node``: consecutive DP shards on one node; a param larger than a shard is
+    kept inside one node's shards where it fits there.
     """
     shard_divisor = math.lcm(64, bucket_end_divisor(dp_size, ddp_config.pad_buckets_for_high_nccl_busbw) // dp_size)
     param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
@@ -166,7 +191,7 @@ def owner_aligned_layout(
         if not chunk:
             return
         start = bucket_indices[-1][1] if bucket_indices else 0
-        capacity, placement = _pack_bucket(chunk, cost, dp_size, shard_divisor)
+        capacity, placement = _pack_bucket(chunk, cost, dp_size, shard_divisor, shards_per_node)
         for param, offset in placement.items():
             param_index_map[param] = (start + offset, start + offset + param.numel(), len(bucket_indices))
         bucket_indices.append((start, start + dp_size * capacity))
@@ -178,7 +203,7 @@ def owner_aligned_layout(
         chunk.append(param)
         numel += param.numel()
         largest = max(largest, param.numel())
-        if bucket_size is not None and numel >= max(bucket_size, dp_size * largest):
+        if bucket_size is not None and numel >= max(bucket_size, PARAMS_PER_SHARD * dp_size * largest):
             emit(chunk)
             chunk, numel, largest = [], 0, 0
     emit(chunk)
@@ -192,32 +217,49 @@ def owner_aligned_layout(
 
 
 def _pack_bucket(
-    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, divisor: int
+    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, divisor: int,
+    shards_per_node: int = 1,
 ) -> Tuple[int, Dict[torch.nn.Parameter, int]]:
-    """(shard size, offset of each param in the bucket): the smallest shard size (from the
-    mean up, in 1 % steps) at which the packing succeeds."""
+    """(shard size, offset of each param in the bucket).
+
+    Whole params per shard, at the smallest shard size (from the mean up, in 1 % steps)
+    where they fit. Where that would cost more than ``WHOLE_PARAM_SLACK`` of padding (few
+    params per shard, e.g. the dense layers at DP128) and shards share nodes, whole params
+    are packed per node instead (a node's shards are one contiguous range of the bucket):
+    a param may then straddle shard bounds, but only inside a node.
+    """
     total = sum(pad_param_start(p.numel()) for p in params)
-    capacity = pad_to_divisor(max(-(-total // dp), 1), divisor)
+    mean = pad_to_divisor(max(-(-total // dp), 1), divisor)
+    per_node = shards_per_node if shards_per_node > 1 and dp % shards_per_node == 0 else 1
+    capacity = mean
+    while per_node == 1 or capacity <= mean * (1 + WHOLE_PARAM_SLACK):
+        placement = _try_pack(params, cost, dp, capacity, per_node)
+        if placement is not None:
+            return capacity, placement
+        capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
+    capacity = mean
     while True:
-        placement = _try_pack(params, cost, dp, capacity)
+        placement = _try_pack(params, cost, dp // per_node, capacity * per_node)
         if placement is not None:
             return capacity, placement
         capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
 
 
 def _try_pack(
-    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, capacity: int
+    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, capacity: int,
+    shards_per_node: int = 1,
 ) -> Optional[Dict[torch.nn.Parameter, int]]:
-    """Place params larger than a shard back to back from shard 0 (they straddle), then the
-    rest whole: largest cost first, to the least-loaded shard with room. None if one does
-    not fit."""
+    """Place params larger than a shard first, from shard 0 on (they straddle: each over as
+    few shards as its size allows, inside one node where it fits in one), then the rest
+    whole: largest cost first, to the least-loaded shard with room. None if one does not
+    fit."""
     placement: Dict[torch.nn.Parameter, int] = {}
     used = [0] * dp
     loads = [0] * dp
     cursor = 0
     order = {p: i for i, p in enumerate(params)}
     for param in (p for p in params if p.numel() > capacity):
-        cursor = pad_param_start(cursor)
+        cursor = _straddle_start(pad_param_start(cursor), param.numel(), capacity, shards_per_node)
         placement[param] = cursor
         first, last = cursor // capacity, (cursor + param.numel() - 1) // capacity
         if last >= dp:
@@ -238,6 +280,20 @@ def _try_pack(
         used[s] = offset + param.numel()
         loads[s] += cost(param)
     return placement
+
+
+def _straddle_start(cursor: int, numel: int, capacity: int, shards_per_node: int) -> int:
+    """The first start at or after ``cursor`` where ``numel`` elements cross no more shards
+    than they must, and no node boundary if they fit in one node (the gap left behind
+    is filled with whole params later)."""
+    need = -(-numel // capacity)
+    first, last = cursor // capacity, (cursor + numel - 1) // capacity
+    if last - first + 1 > need:
+        cursor = (first + 1) * capacity
+        first, last = first + 1, first + need
+    if shards_per_node > 1 and need <= shards_per_node and first // shards_per_node != last // shards_per_node:
+        cursor = (last // shards_per_node) * shards_per_node * capacity
+    return cursor
 
 
 def is_muon_param_layout(model_chunks: Sequence[torch.nn.Module]) -> bool:
