@@ -186,12 +186,13 @@ def owner_aligned_layout(
     param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
     bucket_indices: List[Tuple[int, int]] = []
     unpadded: List[int] = []
+    loads = [0] * dp_size  # NS FLOPs per shard, over all buckets so far
 
     def emit(chunk: List[torch.nn.Parameter]) -> None:
         if not chunk:
             return
         start = bucket_indices[-1][1] if bucket_indices else 0
-        capacity, placement = _pack_bucket(chunk, cost, dp_size, shard_divisor, shards_per_node)
+        capacity, placement = _pack_bucket(chunk, cost, dp_size, shard_divisor, shards_per_node, loads)
         for param, offset in placement.items():
             param_index_map[param] = (start + offset, start + offset + param.numel(), len(bucket_indices))
         bucket_indices.append((start, start + dp_size * capacity))
@@ -219,8 +220,10 @@ def owner_aligned_layout(
 def _pack_bucket(
     params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, divisor: int,
     shards_per_node: int = 1,
+    loads: Optional[List[int]] = None,
 ) -> Tuple[int, Dict[torch.nn.Parameter, int]]:
-    """(shard size, offset of each param in the bucket).
+    """(shard size, offset of each param in the bucket); adds the params' costs to the
+    shards' running ``loads`` (so balance holds over all buckets, not each alone).
 
     Whole params per shard, at the smallest shard size (from the mean up, in 1 % steps)
     where they fit. Where that would cost more than ``WHOLE_PARAM_SLACK`` of padding (few
@@ -231,23 +234,28 @@ def _pack_bucket(
     total = sum(pad_param_start(p.numel()) for p in params)
     mean = pad_to_divisor(max(-(-total // dp), 1), divisor)
     per_node = shards_per_node if shards_per_node > 1 and dp % shards_per_node == 0 else 1
-    capacity = mean
-    while per_node == 1 or capacity <= mean * (1 + WHOLE_PARAM_SLACK):
-        placement = _try_pack(params, cost, dp, capacity, per_node)
-        if placement is not None:
-            return capacity, placement
-        capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
-    capacity = mean
-    while True:
-        placement = _try_pack(params, cost, dp // per_node, capacity * per_node)
-        if placement is not None:
-            return capacity, placement
-        capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
+    loads = loads if loads is not None else [0] * dp
+    node_loads = [sum(loads[n * per_node : (n + 1) * per_node]) for n in range(dp // per_node)]
+    capacity, placement = mean, None
+    while placement is None and (per_node == 1 or capacity <= mean * (1 + WHOLE_PARAM_SLACK)):
+        placement = _try_pack(params, cost, dp, capacity, per_node, loads)
+        if placement is None:
+            capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
+    if placement is None:
+        capacity = mean
+        while placement is None:
+            placement = _try_pack(params, cost, dp // per_node, capacity * per_node, 1, node_loads)
+            if placement is None:
+                capacity = pad_to_divisor(int(capacity * GROWTH) + 1, divisor)
+    for param, offset in placement.items():
+        loads[(offset + param.numel() // 2) // capacity] += cost(param)
+    return capacity, placement
 
 
 def _try_pack(
     params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, capacity: int,
     shards_per_node: int = 1,
+    initial_loads: Optional[List[int]] = None,
 ) -> Optional[Dict[torch.nn.Parameter, int]]:
     """Place params larger than a shard first, from shard 0 on (they straddle: each over as
     few shards as its size allows, inside one node where it fits in one), then the rest
@@ -255,7 +263,7 @@ def _try_pack(
     fit."""
     placement: Dict[torch.nn.Parameter, int] = {}
     used = [0] * dp
-    loads = [0] * dp
+    loads = list(initial_loads) if initial_loads is not None else [0] * dp
     cursor = 0
     order = {p: i for i, p in enumerate(params)}
     for param in (p for p in params if p.numel() > capacity):

@@ -16,8 +16,8 @@ Bytes are also split by the kind of process group they travel in (``by_group``: 
 ``expert_dp``, ``tp``, ``ep``, ``pp``, ``other``). A collective on one of Megatron's
 ``parallel_state`` groups counts for that group's kind; on any other group (ours: the
 TP x DP orthogonalization group) each peer's bytes of an ``all_to_all_single`` count for the
-smallest Megatron group holding both ranks (TP first), so Muon's TP-only exchanges show as
-``tp`` and pieces crossing DP as ``dp``.
+smallest Megatron group holding both ranks (TP first; ``dp`` if none), so Muon's TP-only
+exchanges show as ``tp`` and pieces crossing DP as ``dp``.
 """
 
 from __future__ import annotations
@@ -149,8 +149,10 @@ class _GroupClassifier:
         return next((kind for kind, ranks in self.ranks if members <= ranks), "other")
 
     def of_peer(self, peer_global_rank: int) -> str:
+        """A peer sharing no Megatron group with this rank differs in TP and DP: its
+        bytes cross DP, so they count as ``dp``."""
         pair = {dist.get_rank(), peer_global_rank}
-        return next((kind for kind, ranks in self.ranks if pair <= ranks), "other")
+        return next((kind for kind, ranks in self.ranks if pair <= ranks), "dp")
 
 
 class CollectiveTraffic:

@@ -35,6 +35,7 @@ PEERS = (
     "ours_exact",
     "ours_blockwise",
     "ours_duplicated",
+    "ours_exact_megatron_layout",
 )
 BASELINE = "megatron_adamw"
 
@@ -46,6 +47,7 @@ LABELS = {
     "ours_exact": "megatron_muon, exact",
     "ours_blockwise": "megatron_muon, blockwise",
     "ours_duplicated": "megatron_muon, duplicated",
+    "ours_exact_megatron_layout": "megatron_muon, exact, Megatron's byte-level buffers",
 }
 
 
@@ -77,7 +79,7 @@ def is_muon_peer(name: str) -> bool:
 
 
 def _tp_mode(name: str) -> str:
-    return name.rsplit("_", 1)[1]
+    return name.split("_")[-1] if not name.endswith("_megatron_layout") else name.split("_")[1]
 
 
 def _scheduler(optimizer, hyper: Hyper):
@@ -128,8 +130,10 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         )
         opt = get_megatron_optimizer(cfg, model)
     elif name.startswith("ours"):
-        model = M.wrap_ddp(chunks, chunks[0].config)
-        opt = get_muon_optimizer(MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, **common), model)
+        layout = "megatron" if name.endswith("_megatron_layout") else "owner"
+        cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_buffer_layout=layout, **common)
+        model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg)
+        opt = get_muon_optimizer(cfg, model)
     elif name == BASELINE:
         model = M.wrap_ddp(chunks, chunks[0].config)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common), model)
