@@ -161,6 +161,8 @@ def test_equals_single_process_reference(request, references, world, layout, mod
         variants = {"fp32": OVERLAP}
     if request.node.callspec.id == "DP2xTP2":
         variants = {**VARIANTS, **EXTRA}
+    if request.node.callspec.id in ("DP2", "PP2xDP2"):
+        variants = {**variants, "megatron": EXTRA["megatron"]}  # both DDP buffer layouts
     results = run_distributed(train, world, model, variants, timeout_s=500, **layout)
     ref = references["dense" if model is DENSE else "vpp"]
     for name in variants:
