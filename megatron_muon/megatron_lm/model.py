@@ -179,9 +179,20 @@ def build_model(args: argparse.Namespace, config, vocab_size: int) -> List[torch
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
     )
+    layouts = [None] * len(chunks)
+    if args.optimizer == "muon" and args.use_distributed_optimizer:
+        # Owner-aligned DDP buffers for our Muon (muon_buffer_layout='owner', the default).
+        from megatron_muon import muon_param_layout
+
+        from .optim import optimizer_config
+
+        muon_config = optimizer_config(args)
+        if muon_config.muon_buffer_layout == "owner":
+            layouts = [muon_param_layout(muon_config, c, ddp_config, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     return [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0,
+                                **({} if layout is None else {"full_param_layout": layout}))
+        for i, (chunk, layout) in enumerate(zip(chunks, layouts))
     ]
 
 
