@@ -13,9 +13,11 @@ ranks. Megatron-core 0.19 lets the optimizer choose the layout
   whole parameters are packed into them: largest Newton–Schulz cost first, each to the
   shard with the least Newton–Schulz load among those it still fits in, so the shards hold
   equal bytes (they are all ``C`` long) and balanced Newton–Schulz FLOPs. A parameter
-  larger than a shard is the one exception: it is laid out across consecutive shards.
-  ``C`` starts at the bucket's mean shard size and grows by 1 % until everything fits,
-  which keeps padding to about one parameter per shard.
+  larger than a shard is the one exception: it is laid out across consecutive shards,
+  inside one node where it fits there. ``C`` starts at the bucket's mean shard size and
+  grows by 1 % until everything fits; where that would pad more than 2 % (few params per
+  shard), whole params are packed per node instead (they may then cross a shard bound, never
+  a node bound).
 * Every TP rank computes the same layout from the same local shapes, so each TP piece of
   a matrix sits at the same DP index on every TP rank: the DP reduce-scatter delivers a
   matrix to the DP index that owns it, and Muon only moves TP pieces inside the TP group.
@@ -94,14 +96,16 @@ def muon_param_layout(
         dp_size, edp_size = pg_collection.intra_dp_cp.size(), pg_collection.intra_expt_dp.size()
         tp_size, etp_size = pg_collection.tp.size(), getattr(pg_collection, "expt_tp", pg_collection.tp).size()
         pp_rank = pg_collection.pp.rank()
+        cp_size = pg_collection.cp.size() if getattr(pg_collection, "cp", None) is not None else 1
+        ep_size = pg_collection.ep.size() if getattr(pg_collection, "ep", None) is not None else 1
     else:
         dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
         edp_size = parallel_state.get_expert_data_parallel_world_size(partial_expert_data_parallel=True)
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
         etp_size = parallel_state.get_expert_tensor_parallel_world_size()
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-    cp_size = parallel_state.get_context_parallel_world_size()
-    ep_size = parallel_state.get_expert_model_parallel_world_size()
+        cp_size = parallel_state.get_context_parallel_world_size()
+        ep_size = parallel_state.get_expert_model_parallel_world_size()
     if gpus_per_node is None:
         gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count() or 1
     bucket_size = ddp_config.bucket_size
