@@ -7,6 +7,7 @@ Importing the package has no side effects (the CPU/gloo patches of
 ``megatron_muon.testing`` are applied only when asked for).
 """
 
+from .buffer_layout import MuonParamLayout, muon_param_layout
 from .config import MuonConfig, update_scale
 from .factory import get_muon_optimizer
 from .matrices import Block, LogicalMatrix, register_layout
@@ -18,7 +19,9 @@ __all__ = [
     "MuonChainedOptimizer",
     "MuonConfig",
     "MuonDistributedOptimizer",
+    "MuonParamLayout",
     "get_muon_optimizer",
+    "muon_param_layout",
     "register_layout",
     "update_scale",
 ]

@@ -16,6 +16,7 @@ import torch
 from megatron.core.optimizer import OptimizerConfig
 
 TP_MODES = ("exact", "blockwise", "duplicated")
+BUFFER_LAYOUTS = ("owner", "megatron")
 SCALE_MODES = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
 QKV_SPLITS = ("part", "group", "head")
 MLA_SPLITS = ("none", "part", "head")
@@ -91,8 +92,19 @@ class MuonConfig(OptimizerConfig):
     approximation). 'duplicated': every tensor-parallel rank orthogonalizes the whole
     matrix for itself (exact, TP-times the work)."""
 
-    muon_comm_dtype: torch.dtype = torch.bfloat16
-    """Dtype of the momentum and update pieces on the wire."""
+    muon_comm_dtype: Optional[torch.dtype] = None
+    """Dtype of the momentum and update pieces on the wire. None (default): the Newton–Schulz
+    compute dtype ``muon_ns_dtype``, so fp32 Newton–Schulz is fp32 end to end and bf16
+    Newton–Schulz keeps the bf16 wire (half the bytes). Set it to use another wire dtype."""
+
+    muon_buffer_layout: str = "owner"
+    """DDP buffer layout the Muon step expects. 'owner': every Muon matrix sits whole in
+    the DP shard of the rank that orthogonalizes it (build DDP with
+    ``full_param_layout=megatron_muon.muon_param_layout(config, chunk, ddp_config)``), so
+    Muon moves only TP pieces inside the TP group and no optimizer bytes over DP. 'megatron':
+    Megatron's byte-level layout (matrices cut at shard bounds, pieces gathered over DP).
+    If 'owner' is asked but DDP was built without the layout, ``get_muon_optimizer`` logs a
+    warning and runs on Megatron's layout."""
 
     muon_chunk_numel: int = 64 * 1024 * 1024
     """Approximate number of matrix elements per pipeline chunk (summed over ranks)."""
@@ -150,6 +162,11 @@ class MuonConfig(OptimizerConfig):
         for problem in config_problems(self):
             raise ValueError(f"MuonConfig.{problem}")
 
+
+    @property
+    def comm_dtype(self) -> torch.dtype:
+        """The dtype Muon's pieces travel in: ``muon_comm_dtype``, or ``muon_ns_dtype`` if None."""
+        return self.muon_comm_dtype if self.muon_comm_dtype is not None else self.muon_ns_dtype
 
 def _bad_number(value, minimum: float, strict: bool, integer: bool = False) -> bool:
     """True unless ``value`` is a finite number >= ``minimum`` (> with ``strict``)."""
@@ -216,8 +233,12 @@ def config_problems(cfg: MuonConfig):
             yield f"{name}={value!r} is invalid; use a number in [0, 1)."
     for name in ("muon_ns_dtype", "muon_comm_dtype"):
         value = getattr(cfg, name)
-        if value not in (torch.bfloat16, torch.float32, torch.float16):
-            yield f"{name}={value!r} is not supported; use torch.bfloat16, torch.float32 or torch.float16."
+        if value not in (torch.bfloat16, torch.float32, torch.float16) and not (name == "muon_comm_dtype" and value is None):
+            yield f"{name}={value!r} is not supported; use torch.bfloat16, torch.float32 or torch.float16" + (
+                " (or None = muon_ns_dtype)." if name == "muon_comm_dtype" else "."
+            )
+    if cfg.muon_buffer_layout not in BUFFER_LAYOUTS:
+        yield f"muon_buffer_layout={cfg.muon_buffer_layout!r} is not supported; use one of {BUFFER_LAYOUTS}."
     if cfg.fp16 and cfg.bf16:
         yield "fp16=True and bf16=True are both set; choose one precision (fp16 uses a loss scaler, bf16 does not)."
     if not isinstance(cfg.muon_exclude_patterns, (tuple, list)) or not all(

@@ -10,6 +10,7 @@ with identical settings, flagged ``muon=True`` / ``False``.
 
 from __future__ import annotations
 
+import logging
 from typing import Dict, List, Optional
 
 import torch
@@ -18,6 +19,7 @@ from megatron.core.optimizer import _get_param_groups, get_standard_config_overr
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from .buffer_layout import is_muon_param_layout
 from .config import MuonConfig
 from .matrices import collect_muon_params
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
@@ -71,6 +73,25 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
             "get_muon_optimizer: Megatron's optimizer_cpu_offload is not supported; set "
             "MuonConfig.muon_cpu_offload=True (--muon-cpu-offload) to keep the Muon momentum on the CPU."
         )
+
+
+logger = logging.getLogger(__name__)
+
+
+def _owner_layout(config: MuonConfig, model_chunks: List[torch.nn.Module]) -> bool:
+    """Whether the DDP buffers are owner-aligned (built with ``muon_param_layout``).
+
+    'owner' asked but DDP built without the layout: the step is still exact on Megatron's
+    byte-level layout, only with DP traffic, so warn (naming the fix) rather than fail."""
+    owner = is_muon_param_layout(model_chunks)
+    if config.muon_buffer_layout == "owner" and not owner:
+        logger.warning(
+            "get_muon_optimizer: muon_buffer_layout='owner' but DDP was built without "
+            "megatron_muon.muon_param_layout(); running on Megatron's byte-level layout (Muon "
+            "pieces then travel over DP). Pass DistributedDataParallel(..., full_param_layout="
+            "muon_param_layout(config, chunk, ddp_config)) or set muon_buffer_layout='megatron'."
+        )
+    return owner
 
 
 def _grad_scaler(config: MuonConfig):
@@ -137,6 +158,7 @@ def get_muon_optimizer(
     def tp_size_of(param: torch.nn.Parameter) -> int:
         return (expt_tp_group if not getattr(param, "allreduce", True) else tp_group).size()
 
+    owner_layout = _owner_layout(config, model_chunks)
     muon_params, _ = collect_muon_params(model_chunks, config, tp_size_of)
     muon_ids = {id(mp.param) for mp in muon_params}
     all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)
@@ -172,6 +194,7 @@ def get_muon_optimizer(
             name="expert" if expert else "dense",
             events=events,
             qk_clip=None if expert else QKClip.from_model(model_chunks, groups["dp_cp_group"], groups["mp_group"]),
+            owner_layout=owner_layout,
         )
         # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
         opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]

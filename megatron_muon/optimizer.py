@@ -139,8 +139,11 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         name: str = "dense",
         events: Optional[List[Tuple[str, str, int]]] = None,
         qk_clip: Optional[QKClip] = None,
+        owner_layout: bool = False,
     ) -> None:
         self.name = name
+        self.owner_layout = owner_layout
+        """DDP was built with ``muon_param_layout``: owners stay at the DP index holding each matrix."""
         self.qk_clip = qk_clip
         self.events = events if events is not None else []
         self.while_first_gather_in_flight: Optional[Callable[[], None]] = None
@@ -191,7 +194,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 )
             dp_ranges[i] = ranges[mp.param]
         plan = build_plan(
-            self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel
+            self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel,
+            holders_only=self.owner_layout,
         )
         self._check_plan_agrees(plan)
         my_dp = group.coords[group.rank][1]
@@ -205,7 +209,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             cfg.muon_num_ns_steps,
             cfg.muon_coefficient_type,
             cfg.muon_ns_dtype,
-            cfg.muon_comm_dtype,
+            cfg.comm_dtype,
             cfg.muon_max_inflight_chunks,
             device,
             name=self.name,
@@ -300,6 +304,15 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         its normal work, not a sign that training is broken."""
         scaler = self.grad_scaler
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
+
+    def start_param_sync_for_bucket_group_subset(self) -> None:
+        """Megatron's version skips buckets tagged ``is_managed_by_layer_wise_optimizer``
+        (they belong to its LayerWise optimizer); ours tags its owner-aligned Muon buffers the
+        same way and updates them itself, so every bucket group is synced here."""
+        for model_chunk in self.model_chunks:
+            for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
+                if bucket_group.buckets:
+                    model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
     # ------------------------------------------------------------------ the Muon step
     @torch.no_grad()

@@ -183,8 +183,14 @@ def make_jobs(
     return jobs
 
 
-def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple[List[Chunk], List[int]]:
-    """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free)."""
+def assign_owners(
+    jobs: List[Job], group: OrthoGroup, chunk_numel: int, holders_only: bool = False
+) -> Tuple[List[Chunk], List[int]]:
+    """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free).
+
+    ``holders_only`` (owner-aligned buffers): a job may only go to a rank at a DP index that
+    holds some of its matrix, so no piece crosses DP unless the matrix itself straddles DP
+    shards; balance across DP indices is then the buffer layout's job."""
     chunks: List[Chunk] = []
     current: List[Job] = []
     size = 0
@@ -198,10 +204,13 @@ def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple
         chunks.append(Chunk(len(chunks), current))
 
     loads = [0] * group.size
-    allowed = {
-        job.index: [r for r in range(group.size) if job.owner_tp is None or group.coords[r][0] == job.owner_tp]
-        for job in jobs
-    }
+    def may_own(job: Job, r: int) -> bool:
+        tp, dp = group.coords[r]
+        if job.owner_tp is not None and tp != job.owner_tp:
+            return False
+        return not holders_only or any(seg.dp == dp for seg in job.sources + job.dests)
+
+    allowed = {job.index: [r for r in range(group.size) if may_own(job, r)] for job in jobs}
     order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index))]
     # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
     #    at or under the mean load.
@@ -238,10 +247,12 @@ def build_plan(
     tp_mode: str,
     ns_steps: int,
     chunk_numel: int,
+    holders_only: bool = False,
 ) -> Plan:
-    """The ownership plan for ``params`` (identical on every rank of ``group``)."""
+    """The ownership plan for ``params`` (identical on every rank of ``group``);
+    ``holders_only``: see :func:`assign_owners`."""
     jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps)
-    chunks, loads = assign_owners(jobs, group, chunk_numel)
+    chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only)
     return Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads)
 
 

@@ -11,13 +11,21 @@ Bytes are what one rank puts on the wire under the usual ring algorithms: all-re
 all-to-all the input minus the part addressed to itself (tensor and list forms alike),
 broadcast ``size`` on the root.
 Collectives on single-rank groups count zero.
+
+Bytes are also split by the kind of process group they travel in (``by_group``: ``dp``,
+``expert_dp``, ``tp``, ``ep``, ``pp``, ``other``). A collective on one of Megatron's
+``parallel_state`` groups counts for that group's kind; on any other group (ours: the
+TP x DP orthogonalization group) each peer's bytes of an ``all_to_all_single`` count for the
+smallest Megatron group holding both ranks (TP first; ``dp`` if none), so Muon's TP-only
+exchanges show as ``tp`` and pieces crossing DP as ``dp``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
-from typing import Callable, Dict, Iterator
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -95,12 +103,66 @@ _KIND = {
 }
 
 
+GROUP_KINDS = ("tp", "dp", "expert_dp", "ep", "pp")
+
+
+def _megatron_groups() -> List[Tuple[str, object]]:
+    """(kind, group) of this rank's Megatron process groups, most specific first."""
+    from megatron.core import parallel_state as ps
+
+    getters = [
+        ("tp", ps.get_tensor_model_parallel_group),
+        ("tp", ps.get_expert_tensor_parallel_group),
+        ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True, partial_data_parallel=True)),
+        ("dp", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+        ("dp", ps.get_data_parallel_group),
+        ("expert_dp", lambda: ps.get_expert_data_parallel_group(partial_expert_data_parallel=True)),
+        ("expert_dp", ps.get_expert_data_parallel_group),
+        ("ep", ps.get_expert_model_parallel_group),
+        ("pp", ps.get_pipeline_model_parallel_group),
+    ]
+    out = []
+    for kind, get in getters:
+        try:
+            group = get()
+        except Exception:  # noqa: BLE001 - a group this layout does not have
+            continue
+        if group is not None:
+            out.append((kind, group))
+    return out
+
+
+class _GroupClassifier:
+    """Maps a process group (or one peer in it) to the kind of Megatron group it is."""
+
+    def __init__(self) -> None:
+        self.groups = _megatron_groups()
+        self.ranks = [(kind, set(dist.get_process_group_ranks(g))) for kind, g in self.groups]
+
+    def of_group(self, group) -> str:
+        if group is None:
+            return "other"
+        for kind, g in self.groups:
+            if g is group:
+                return kind
+        members = set(dist.get_process_group_ranks(group))
+        return next((kind for kind, ranks in self.ranks if members <= ranks), "other")
+
+    def of_peer(self, peer_global_rank: int) -> str:
+        """A peer sharing no Megatron group with this rank differs in TP and DP: its
+        bytes cross DP, so they count as ``dp``."""
+        pair = {dist.get_rank(), peer_global_rank}
+        return next((kind for kind, ranks in self.ranks if pair <= ranks), "dp")
+
+
 class CollectiveTraffic:
-    """Bytes sent per collective kind while the counter was active."""
+    """Bytes sent per collective kind (``bytes``) and per process-group kind (``by_group``)
+    while the counter was active."""
 
     def __init__(self) -> None:
         self.bytes: Dict[str, int] = defaultdict(int)
         self.calls: Dict[str, int] = defaultdict(int)
+        self.by_group: Dict[str, int] = defaultdict(int)
 
     @property
     def total(self) -> int:
@@ -109,6 +171,27 @@ class CollectiveTraffic:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.by_group.clear()
+
+
+def _split_by_group(
+    name: str, fn: Callable, nbytes: int, args, kwargs, classifier: "_GroupClassifier"
+) -> Dict[str, int]:
+    """``nbytes`` of one call split by group kind (per peer for ``all_to_all_single``)."""
+    bound = inspect.signature(fn).bind_partial(*args, **kwargs).arguments
+    group = bound.get("group")
+    splits: Optional[List[int]] = bound.get("input_split_sizes")
+    kind = classifier.of_group(group)
+    if name != "all_to_all_single" or not splits or kind != "other" or not nbytes:
+        return {kind: nbytes}
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank()
+    total = sum(n for r, n in zip(ranks, splits) if r != me)
+    out: Dict[str, int] = defaultdict(int)
+    for r, n in zip(ranks, splits):
+        if r != me and n:
+            out[classifier.of_peer(r)] += nbytes * n // max(total, 1)
+    return out
 
 
 @contextlib.contextmanager
@@ -118,13 +201,20 @@ def count_collectives() -> Iterator[CollectiveTraffic]:
 
     traffic = CollectiveTraffic()
     originals = {}
+    classifier: List[_GroupClassifier] = []
 
     def wrap(name: str, fn: Callable) -> Callable:
         kind = _KIND.get(name, name)
 
         def counted(*args, **kwargs):
             try:
-                traffic.bytes[kind] += _COUNTERS[name](*args, **kwargs)
+                nbytes = _COUNTERS[name](*args, **kwargs)
+                traffic.bytes[kind] += nbytes
+                if nbytes:
+                    if not classifier:
+                        classifier.append(_GroupClassifier())
+                    for group_kind, n in _split_by_group(name, fn, nbytes, args, kwargs, classifier[0]).items():
+                        traffic.by_group[group_kind] += n
             except Exception:  # noqa: BLE001 - counting must never break communication
                 pass
             traffic.calls[kind] += 1

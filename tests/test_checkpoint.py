@@ -22,13 +22,13 @@ def _train(model, opt, sched, spec, batches):
         sched.step(1)
 
 
-def _save_then_continue(spec_kwargs, ckpt_dir):
+def _save_then_continue(spec_kwargs, ckpt_dir, cfg=None):
     """Train, save, record the optimizer state; then continue as if nothing happened."""
     from megatron_muon.checkpoint import save_checkpoint
 
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
-    chunks, model, opt, sched = build(spec)
+    chunks, model, opt, sched = build(spec, **(cfg or {}))
     _train(model, opt, sched, spec, batches[:STEPS_BEFORE])
     saved_state = M.gather_canonical_optimizer_state(model, opt)
     save_checkpoint(ckpt_dir, model, opt, extra={"iteration": STEPS_BEFORE})
@@ -36,12 +36,12 @@ def _save_then_continue(spec_kwargs, ckpt_dir):
     return dict(state=saved_state, final=M.gather_canonical_state(chunks))
 
 
-def _load_then_continue(spec_kwargs, ckpt_dir, load_layout=None):
+def _load_then_continue(spec_kwargs, ckpt_dir, load_layout=None, cfg=None):
     from megatron_muon.checkpoint import load_checkpoint
 
     spec = M.TinyModelSpec(**dict(spec_kwargs, **(load_layout or {})))
     batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
-    chunks, model, opt, sched = build(spec)
+    chunks, model, opt, sched = build(spec, **(cfg or {}))
     extra = load_checkpoint(ckpt_dir, model, opt)
     loaded_state = M.gather_canonical_optimizer_state(model, opt)
     _train(model, opt, sched, spec, batches[STEPS_BEFORE:])
@@ -57,7 +57,15 @@ CHANGES = [
     pytest.param(dict(MOE, sequence_parallel=True), (4, dict(tp=2, ep=2, etp=2)), (4, dict(tp=2, ep=2, etp=1)), id="ETP2-to-ETP1"),
     pytest.param(dict(MOE, expert_layout="legacy_grouped"), (2, dict(ep=2)), (2, dict(ep=2)), id="GroupedMLP-to-SequentialMLP"),
     pytest.param(MOE, (2, dict(ep=2)), (1, {}), id="SequentialMLP-to-GroupedMLP"),
+    # DDP buffer layouts: owner-aligned (the default) <-> Megatron's byte-level, and TP/DP too.
+    pytest.param(dict(kind="gqa"), (2, {}), (2, dict(tp=2)), id="owner-DP2-to-megatron-TP2"),
+    pytest.param(MOE, (4, dict(ep=2)), (2, dict(ep=2)), id="megatron-DP2xEP2-to-owner-EP2"),
 ]
+# MuonConfig overrides (save, load) where a case changes them.
+CFG = {
+    "owner-DP2-to-megatron-TP2": ({}, dict(muon_buffer_layout="megatron")),
+    "megatron-DP2xEP2-to-owner-EP2": (dict(muon_buffer_layout="megatron"), {}),
+}
 # The model built at load time, where it differs from the saved one.
 LOAD_LAYOUT = {
     "GroupedMLP-to-SequentialMLP": dict(expert_layout="sequential"),
@@ -70,8 +78,10 @@ LOAD_LAYOUT = {
 def test_layout_change_is_lossless(request, tmp_path, model, before, after):
     ckpt = str(tmp_path / "ckpt")
     load_layout = LOAD_LAYOUT.get(request.node.callspec.id)
-    saved = run_distributed(_save_then_continue, before[0], model, ckpt, timeout_s=400, **before[1])
-    loaded = run_distributed(_load_then_continue, after[0], model, ckpt, load_layout, timeout_s=400, **after[1])
+    save_cfg, load_cfg = CFG.get(request.node.callspec.id, ({}, {}))
+    saved = run_distributed(_save_then_continue, before[0], model, ckpt, save_cfg, timeout_s=400, **before[1])
+    loaded = run_distributed(_load_then_continue, after[0], model, ckpt, load_layout, load_cfg, timeout_s=400,
+                             **after[1])
     state_before = M.merge_canonical_states([r["state"] for r in saved])
     state_after = M.merge_canonical_states([r["state"] for r in loaded])
     assert state_before.keys() == state_after.keys()

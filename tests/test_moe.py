@@ -32,12 +32,16 @@ MOE_LAYOUTS = [
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world,layout,model", MOE_LAYOUTS)
-def test_moe_equals_reference(moe_reference, world, layout, model):
-    results = run_distributed(train, world, model, FP32, timeout_s=500, **layout)
-    full = M.merge_canonical_states([r["fp32"]["state"] for r in results])
+def test_moe_equals_reference(request, moe_reference, world, layout, model):
+    variants = FP32
+    if request.node.callspec.id in ("EP2", "DP2xEP2"):
+        variants = {**FP32, "megatron": dict(muon_buffer_layout="megatron")}  # both DDP buffer layouts
+    results = run_distributed(train, world, model, variants, timeout_s=500, **layout)
     ref = M.merge_canonical_states([moe_reference[1]])
-    err, key = max_rel_err(full, ref, "fro")
-    assert err <= 1e-5, f"{key} differs from the reference by {err:.2e}"
+    for name in variants:
+        full = M.merge_canonical_states([r[name]["state"] for r in results])
+        err, key = max_rel_err(full, ref, "fro")
+        assert err <= 1e-5, f"{name}: {key} differs from the reference by {err:.2e}"
     # Expert matrices are orthogonalized once each, per expert (never as fused storage).
     expert_stats = [s for r in results for s in r["fp32"]["stats"][1:]]
     assert expert_stats, "no expert optimizer was built"

@@ -24,8 +24,7 @@ BASE_CFG = dict(
     muon_momentum=0.9,
     adam_beta1=0.9,
     adam_beta2=0.95,
-    muon_ns_dtype=torch.float32,
-    muon_comm_dtype=torch.float32,
+    muon_ns_dtype=torch.float32,  # muon_comm_dtype None follows it: fp32 end to end
 )
 # bf16 Newton–Schulz; pieces travel in fp32 so that the comparison measures NS precision,
 # not the extra bf16 rounding of the (default) bf16 wire format, which AdamW then amplifies
@@ -59,8 +58,8 @@ def build(spec: M.TinyModelSpec, ddp: dict | None = None, **cfg_overrides):
 
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
-    model = M.wrap_ddp(chunks, chunks[0].config, **(ddp or {}))
     cfg = muon_config(spec, **cfg_overrides)
+    model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg, **(ddp or {}))
     opt = get_muon_optimizer(cfg, model)
     return chunks, model, opt, scheduler(opt, cfg)
 
@@ -124,6 +123,8 @@ EXTRA = {
     "split": dict(muon_qkv_split="head", muon_split_glu=True),
     "group": dict(muon_qkv_split="group"),
     "chunks": dict(muon_chunk_numel=3000, muon_max_inflight_chunks=2),
+    # Megatron's byte-level DDP layout (the other variants use the owner-aligned default).
+    "megatron": dict(muon_buffer_layout="megatron"),
 }
 # Same numbers with DDP overlapping the grad reduce-scatter and param all-gather, in small
 # buckets (so parameters straddle bucket and shard boundaries).
@@ -160,6 +161,8 @@ def test_equals_single_process_reference(request, references, world, layout, mod
         variants = {"fp32": OVERLAP}
     if request.node.callspec.id == "DP2xTP2":
         variants = {**VARIANTS, **EXTRA}
+    if request.node.callspec.id in ("DP2", "PP2xDP2"):
+        variants = {**variants, "megatron": EXTRA["megatron"]}  # both DDP buffer layouts
     results = run_distributed(train, world, model, variants, timeout_s=500, **layout)
     ref = references["dense" if model is DENSE else "vpp"]
     for name in variants:

@@ -282,8 +282,11 @@ def wrap_ddp(
     overlap_param_gather: bool = False,
     bucket_size: Optional[int] = None,
     full_param_layout=None,
+    muon_config=None,
 ) -> List[torch.nn.Module]:
-    """Wrap chunks in Megatron DDP the way Megatron-LM's ``get_model`` does."""
+    """Wrap chunks in Megatron DDP the way Megatron-LM's ``get_model`` does; with a
+    ``muon_config`` asking for ``muon_buffer_layout='owner'``, each chunk gets
+    ``megatron_muon.muon_param_layout``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -293,16 +296,20 @@ def wrap_ddp(
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=bucket_size,
     )
-    kwargs = {} if full_param_layout is None else {"full_param_layout": full_param_layout}
+    layouts = [full_param_layout] * len(chunks)
+    if muon_config is not None and muon_config.muon_buffer_layout == "owner":
+        from megatron_muon.buffer_layout import muon_param_layout
+
+        layouts = [muon_param_layout(muon_config, c, ddp_config, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     return [
         DistributedDataParallel(
             config=config,
             ddp_config=ddp_config,
             module=chunk,
             disable_bucketing=i > 0,
-            **kwargs,
+            **({} if layout is None else {"full_param_layout": layout}),
         )
-        for i, chunk in enumerate(chunks)
+        for i, (chunk, layout) in enumerate(zip(chunks, layouts))
     ]
 
 

@@ -37,6 +37,7 @@ PEERS = (
     "ours_blockwise",
     "ours_duplicated",
     "ours_exact_offload",
+    "ours_exact_megatron_layout",
 )
 BASELINE = "megatron_adamw"
 
@@ -49,6 +50,7 @@ LABELS = {
     "ours_blockwise": "megatron_muon, blockwise",
     "ours_duplicated": "megatron_muon, duplicated",
     "ours_exact_offload": "megatron_muon, exact + CPU offload",
+    "ours_exact_megatron_layout": "megatron_muon, exact, Megatron's byte-level buffers",
 }
 
 
@@ -133,10 +135,11 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         )
         opt = get_megatron_optimizer(cfg, model)
     elif name.startswith("ours"):
-        model = M.wrap_ddp(chunks, chunks[0].config)
+        layout = "megatron" if name.endswith("_megatron_layout") else "owner"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
-        cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum,
+        cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_buffer_layout=layout,
                          muon_cpu_offload=name.endswith("_offload"), **chunking, **common)
+        model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg)
         opt = get_muon_optimizer(cfg, model)
     elif name == BASELINE:
         model = M.wrap_ddp(chunks, chunks[0].config)

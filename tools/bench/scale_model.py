@@ -48,16 +48,18 @@ from tools.bench import common
 from tools.bench import model_shapes as S
 
 SCHEMES = ("adamw", "megatron_blockwise", "megatron_duplicated", "megatron_distributed", "ours_exact",
-           "ours_blockwise", "ours_duplicated")
+           "ours_blockwise", "ours_duplicated", "ours_exact_megatron_layout")
 LABELS = {
     "adamw": "AdamW (Megatron DistOpt)", "megatron_blockwise": "Megatron Muon, blockwise",
     "megatron_duplicated": "Megatron Muon, duplicated", "megatron_distributed": "Megatron Muon, distributed",
     "ours_exact": "ours, exact", "ours_blockwise": "ours, blockwise", "ours_duplicated": "ours, duplicated",
+    "ours_exact_megatron_layout": "ours, exact, Megatron's byte-level buffers",
 }
 # The peers of optimizer_step.py, by scheme.
 PEER_OF = {"adamw": "megatron_adamw", "megatron_blockwise": "megatron_muon_blockwise",
            "megatron_duplicated": "megatron_muon_duplicated", "megatron_distributed": "megatron_muon_distributed",
-           "ours_exact": "ours_exact", "ours_blockwise": "ours_blockwise", "ours_duplicated": "ours_duplicated"}
+           "ours_exact": "ours_exact", "ours_blockwise": "ours_blockwise", "ours_duplicated": "ours_duplicated",
+           "ours_exact_megatron_layout": "ours_exact_megatron_layout"}
 NS_STEPS = 5
 COMM_BYTES = 2  # our pieces travel in bf16 (muon_comm_dtype)
 # Bytes of HBM traffic per optimizer-state element and step (reads + writes of grad,
@@ -192,7 +194,8 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
             costs.by_kind[scheme]["all_gather"] += ag * ranks
 
 
-def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str) -> None:
+def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str,
+               owner_layout: bool) -> None:
     from megatron_muon import MuonConfig
     from megatron_muon.planner import OrthoGroup, build_plan
     from megatron_muon.synthetic import dp_ranges_in_layout
@@ -203,13 +206,15 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
         chosen = [sp for sp in params if sp.is_matrix and sp.expert == expert and not sp.router]
         if not chosen:
             continue
-        layout = next(lay for k, lay in layouts.layouts.items() if k.is_expert_parallel == expert)
+        # The Muon matrices' buffer: the tagged one under our owner layout, else the only one.
+        layout = next(lay for k, lay in layouts.layouts.items()
+                      if k.is_expert_parallel == expert and (k.is_managed_by_layer_wise_optimizer or not owner_layout))
         muon = [_logical(sp, m, cfg, size) for sp in chosen]
         ranges = {i: dp_ranges_in_layout(layout, sp.param, n) for i, sp in enumerate(chosen)}
         # Group ranks in global-rank order, as build_ortho_group orders them.
         coords = [(t, d) for d in range(n) for t in range(size)]
         group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n)
-        plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel)
+        plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel, holders_only=owner_layout)
         for i in range(c.tp * c.dp):
             t, d, _ = coords_of(c, expert, i)
             costs.flops[scheme][i] += plan.loads[d * size + t]
@@ -226,6 +231,24 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
                                    seg.numel * COMM_BYTES)
         if not expert:
             costs.chunks[scheme] = len(plan.chunks)
+
+
+def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
+    """Our owner-aligned layout (``megatron_muon.buffer_layout``) of the stage's params."""
+    from megatron_muon import MuonConfig
+    from megatron_muon.buffer_layout import compute_full_param_layout, muon_param_flops, tag_muon_params
+
+    cfg = MuonConfig(lr=1e-3)
+    flops = {}
+    for sp in params:
+        if hasattr(sp.param, "is_managed_by_layer_wise_optimizer"):
+            del sp.param.is_managed_by_layer_wise_optimizer
+        if sp.is_matrix and not sp.router:
+            flops[sp.param] = muon_param_flops(_logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS)
+    tag_muon_params(list(flops))
+    per_node = (max(1, c.gpus_per_node // c.tp), max(1, c.gpus_per_node // (c.etp * c.ep)))
+    return compute_full_param_layout([sp.param for sp in params], flops, bucket, c.dp,
+                                     S.ddp_config(c.grad_reduce_in_fp32), c.edp, shards_per_node=per_node)
 
 
 def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[Tuple[int, int], Tuple[int, int], Optional[int]]]:
@@ -279,10 +302,13 @@ def stage_costs(m: S.ModelShape, c: Cluster, stage: int) -> RankCosts:
     costs = RankCosts(c.tp * c.dp)
     bucket = c.bucket_size(stage)
     byte_level = S.buffer_layouts(params, c.dp, c.edp, bucket, c.grad_reduce_in_fp32, layer_wise=False)
-    for scheme in ("adamw", "ours_exact", "ours_blockwise", "ours_duplicated"):
+    for scheme in ("adamw", "ours_exact_megatron_layout"):
         _ddp_costs(costs, scheme, byte_level, c)
+    _our_costs(costs, "ours_exact_megatron_layout", params, byte_level, m, c, "exact", owner_layout=False)
+    owner = _owner_layout(params, m, c, bucket)
     for mode in ("exact", "blockwise", "duplicated"):
-        _our_costs(costs, f"ours_{mode}", params, byte_level, m, c, mode)
+        _ddp_costs(costs, f"ours_{mode}", owner, c)
+        _our_costs(costs, f"ours_{mode}", params, owner, m, c, mode, owner_layout=True)
     layer_wise = S.buffer_layouts(params, c.dp, c.edp, bucket, c.grad_reduce_in_fp32, layer_wise=True)
     for scheme in ("megatron_blockwise", "megatron_duplicated", "megatron_distributed"):
         _ddp_costs(costs, scheme, layer_wise, c)
