@@ -256,6 +256,7 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     from megatron.training import global_vars
 
     from megatron_muon import get_muon_optimizer
+    from megatron_muon.buffer_layout import is_muon_param_layout
     from megatron_muon.optimizer import MuonChainedOptimizer
     from megatron_muon.testing import models as M
 
@@ -276,8 +277,10 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
         config, model, config_overrides=overrides, use_gloo_process_groups=args.use_gloo_process_groups,
         dump_param_to_param_group_map=args.dump_param_to_param_group_map)
     assert isinstance(opt, MuonChainedOptimizer)
-    ref_model = M.wrap_ddp(ref_chunks, ref_chunks[0].config)
-    ref_opt = get_muon_optimizer(I.muon_config_from_megatron(args, base=config), ref_model)
+    ref_config = I.muon_config_from_megatron(args, base=config)
+    ref_model = M.wrap_ddp(ref_chunks, ref_chunks[0].config, muon_config=ref_config)
+    ref_opt = get_muon_optimizer(ref_config, ref_model)
+    owner_aligned = is_muon_param_layout(model)
     initial = M.gather_canonical_state(chunks)
     logged = []
     for tokens in batches[:2]:
@@ -304,7 +307,8 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     steps_after_load = opt.num_steps
     M.train_step(model, opt, batches[2], 1, spec)
     resumed = _max_rel_diff(M.gather_canonical_state(chunks), continued)
-    return dict(moved=moved, vs_direct=vs_direct, resumed=resumed, steps_after_load=steps_after_load, logged=logged)
+    return dict(moved=moved, vs_direct=vs_direct, resumed=resumed, steps_after_load=steps_after_load, logged=logged,
+                owner_aligned=owner_aligned)
 
 
 @pytest.mark.timeout(600)
@@ -314,6 +318,7 @@ def test_megatron_lm_builds_trains_and_checkpoints_our_optimizer(megatron_lm, tm
     results = run_distributed(_through_megatron_lm, 2, str(tmp_path))
     for r in results:
         assert r["moved"] > 1e-3, r
-        assert r["vs_direct"] < 1e-6, r  # Megatron-LM's DDP layout and its clip_qk call change nothing
+        assert r["owner_aligned"], r  # Megatron-LM's wrap_model_chunks_with_ddp got our buffer layout
+        assert r["vs_direct"] < 1e-6, r  # Megatron-LM's DDP wrapping and its clip_qk call change nothing
         assert all(reported == ours > 0.04 for reported, ours in r["logged"]), r["logged"]  # clipped, reported
         assert r["steps_after_load"] == 2 and r["resumed"] < 1e-6, r

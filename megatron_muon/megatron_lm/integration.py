@@ -8,7 +8,8 @@ With a Megatron-LM checkout, add two lines to its ``pretrain_gpt.py`` anywhere b
 
 and launch as before with ``--optimizer muon --use-distributed-optimizer`` and any ``--muon-*``
 flags (``--help`` lists them); ``--muon-impl megatron`` selects Megatron-core's own Muon.
-Four module globals are wrapped, each looked up by Megatron-LM at call time (line numbers:
+Five module globals are wrapped (plus the checkpoint-integrity hooks of
+``integrity_hooks``), each looked up by Megatron-LM at call time (line numbers:
 Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0.19.2 ships):
 
 1. ``megatron.training.arguments.add_megatron_arguments`` (``parse_args`` builds its parser
@@ -32,6 +33,12 @@ Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0
    optimizer is built, our step has already gathered the max logits, clipped on the master
    weights and reset the recorders, so the wrapper returns our step's max logit for Megatron's
    log line instead of clipping again; otherwise Megatron's function runs.
+
+5. ``megatron.training.training.wrap_model_chunks_with_ddp`` (called by ``get_model`` at
+   :1880): for our ``muon`` with ``muon_buffer_layout='owner'`` (the default) every chunk's
+   DDP is built with :func:`~megatron_muon.muon_param_layout`, so each Muon matrix sits whole
+   in its owner's DP shard (no optimizer bytes over DP); Megatron-LM's loop, bucket sizes and
+   ``disable_bucketing`` per chunk are kept.
 
 Megatron-LM's own ``--muon-*`` flags are reused, not redefined; a value counts only when given
 on the command line, else MuonConfig's default applies (exact TP mode, Nesterov, 'moonlight'
@@ -257,6 +264,38 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
     return get_megatron_optimizer
 
 
+def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any) -> Callable:
+    """For our ``muon``, DDP gets the owner-aligned buffer layout (``muon_param_layout``).
+
+    Megatron-LM computes a layout only when its ``DP`` argument *is* ``DistributedDataParallel``
+    and, for the distributed optimizer, only the byte-level one from a flat param list (no
+    modules, which the logical-matrix rules need). We hand it a ``DP`` that builds the same
+    ``DistributedDataParallel`` with our layout for the module it wraps; Megatron-LM's own
+    loop, bucket sizes and per-chunk ``disable_bucketing`` are kept."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    @functools.wraps(original)
+    def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *a, **kw):
+        args = _global_args(module)
+        if (args is None or not _ours(args) or kw.get("DP", DistributedDataParallel) is not DistributedDataParallel
+                or kw.get("use_layer_wise_distributed_optimizer") or not ddp_config.use_distributed_optimizer):
+            return original(model_chunks, config, ddp_config, *a, **kw)
+        muon_config = muon_config_from_megatron(args)
+        if muon_config.muon_buffer_layout != "owner":
+            return original(model_chunks, config, ddp_config, *a, **kw)
+        from megatron_muon.buffer_layout import muon_param_layout
+
+        def owner_aligned_ddp(config, ddp_config, module, disable_bucketing=False, **ddp_kw):
+            layout = muon_param_layout(muon_config, module, ddp_config, disable_bucketing=disable_bucketing,
+                                       pg_collection=ddp_kw.get("pg_collection"))
+            return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                           disable_bucketing=disable_bucketing, full_param_layout=layout, **ddp_kw)
+
+        return original(model_chunks, config, ddp_config, *a, **dict(kw, DP=owner_aligned_ddp))
+
+    return wrap_model_chunks_with_ddp
+
+
 def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
                       training_module: Optional[types.ModuleType] = None) -> Callable[[], None]:
     """Install the patches (see the module docstring); returns a function undoing them.
@@ -280,6 +319,7 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
             (arguments_module, "validate_args", _wrap_validate_args),
             (training_module, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
             (training_module, "clip_qk", _wrap_clip_qk),
+            (training_module, "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
         )
         if hasattr(module, name)
     ]
