@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from megatron_muon.integrity import write_manifest
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
 from tests.test_optimizer import GBS, MBS, build
@@ -50,6 +51,7 @@ def _save_megatron_adam(path):
     dist_checkpointing.save(
         {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, metadata=FULLY_RESHARDABLE)}, path
     )
+    write_manifest(path)  # as Megatron-LM's save does under use_megatron_muon()
     return M.gather_canonical_state(chunks)
 
 
@@ -205,7 +207,7 @@ def test_atomic_save_and_clear_errors(tmp_path):
 
 
 def _truncate_and_load(path, adam_path):
-    from megatron_muon.checkpoint import CheckpointError, load_checkpoint
+    from megatron_muon.checkpoint import CheckpointError, CheckpointIntegrityError, load_checkpoint
 
     out = {}
     spec = M.TinyModelSpec(**SPEC)
@@ -216,7 +218,7 @@ def _truncate_and_load(path, adam_path):
         out["wrong_kind"] = str(e)
     try:
         load_checkpoint(path, model, opt)
-    except CheckpointError as e:
+    except CheckpointIntegrityError as e:  # found by the manifest, before anything is read
         out["truncated"] = str(e)
     return out
 
@@ -233,7 +235,7 @@ def test_wrong_kind_and_truncated(tmp_path):
                 f.truncate(os.path.getsize(full) // 2)
     out = run_distributed(_truncate_and_load, 1, path, adam)[0]
     assert "adam-to-muon" in out["wrong_kind"]
-    assert "loading" in out["truncated"]
+    assert ".distcp" in out["truncated"] and "truncated" in out["truncated"], out["truncated"]
 
 
 def test_inspect_cli_and_experts_cli(tmp_path):
