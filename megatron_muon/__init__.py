@@ -4,14 +4,15 @@
     optimizer = get_muon_optimizer(MuonConfig(lr=..., bf16=True), ddp_model_chunks)
 
 Importing the package has no side effects (the CPU/gloo patches of
-``megatron_muon.testing`` are applied only when asked for).
+``megatron_muon.cpu`` are applied only when asked for).
 """
 
 from .buffer_layout import MuonParamLayout, muon_param_layout
+from .chained_optimizer import MuonChainedOptimizer
 from .config import MuonConfig, update_scale
 from .factory import get_muon_optimizer
 from .matrices import Block, LogicalMatrix, register_layout
-from .optimizer import MuonChainedOptimizer, MuonDistributedOptimizer
+from .optimizer import MuonDistributedOptimizer
 
 __all__ = [
     "Block",

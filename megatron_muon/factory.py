@@ -22,7 +22,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from .buffer_layout import is_muon_param_layout
 from .config import MuonConfig
 from .matrices import collect_muon_params
-from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
+from .chained_optimizer import MuonChainedOptimizer
+from .optimizer import MuonAdamW, MuonDistributedOptimizer
 from .qk_clip import QKClip
 
 
@@ -68,6 +69,11 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
             raise NotImplementedError("get_muon_optimizer: Megatron-FSDP is not supported.")
     if config.use_precision_aware_optimizer:
         raise NotImplementedError("get_muon_optimizer: use_precision_aware_optimizer is not supported.")
+    if config.reuse_grad_buf_for_mxfp8_param_ag:
+        raise NotImplementedError(
+            "get_muon_optimizer: reuse_grad_buf_for_mxfp8_param_ag (MXFP8 parameter all-gather through "
+            "the grad buffer) is not supported; leave it off (--reuse-grad-buf-for-mxfp8-param-ag)."
+        )
     if config.optimizer_cpu_offload:
         raise NotImplementedError(
             "get_muon_optimizer: Megatron's optimizer_cpu_offload is not supported; set "

@@ -6,36 +6,40 @@ data-parallel ranks (each rank owns a contiguous range of every DDP bucket), cop
 reduce-scattered gradients into those shards, unscales them and checks for inf/nan
 (fp16 loss scaling), computes the global grad norm and clips, counts zeros, and after
 the update copies master weights back and all-gathers the parameters. We keep all of
-that by subclassing it, and change only the inner update:
+that by subclassing it, and change the update itself (``step_with_ready_grads``, the
+level Megatron's own ``LayerWiseDistributedOptimizer`` overrides):
 
-* scalar parameters (embeddings, output layer, norms, biases, by default the router)
-  step with ``torch.optim.AdamW`` exactly as in Megatron's distributed optimizer;
 * Muon parameters update their momentum on the local shard, then the ``MuonPipeline``
   gathers each logical matrix on its owner, orthogonalizes it once and scatters the
   update back, and every rank applies weight decay and learning rate to its shard;
+* scalar parameters (embeddings, output layer, norms, biases, by default the router)
+  step with ``torch.optim.AdamW`` exactly as in Megatron's distributed optimizer;
+* QK-Clip rescales the query/key rows of the fp32 masters;
 * the inf/nan check runs in every precision, not only with a loss scaler (see
   ``megatron_muon.non_finite``): a step with a non-finite gradient is skipped on every
   rank, and too many in a row raise with the parameter's name.
 
 ``get_muon_optimizer`` builds one such optimizer for dense and one for expert-parallel
-parameters and chains them, as ``get_megatron_optimizer`` does for Adam.
+parameters and chains them (``chained_optimizer.py``), as ``get_megatron_optimizer`` does
+for Adam; :meth:`MuonChainedOptimizer.step_with_ready_grads` is the whole update of both,
+in the order the data flows.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
 from .config import MuonConfig, update_scale
 from .matrices import MuonParam, unwrap
-from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
-from .pipeline import MuonPipeline
+from .non_finite import local_non_finite_names, non_finite_flag
+from .pipeline import MuonPipeline, PipelineRun
 from .planner import Plan, build_plan, plan_statistics
 from .process_groups import build_ortho_group
 from .qk_clip import QKClip
@@ -46,9 +50,13 @@ logger = logging.getLogger(__name__)
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """The inner optimizer Megatron's DistributedOptimizer drives: AdamW for groups without
-    ``group['muon']``, and a Muon callback (installed by ``MuonDistributedOptimizer`` once
-    the shards exist) for the groups with it."""
+    """The inner torch optimizer Megatron's DistributedOptimizer holds.
+
+    It holds every parameter group, so Megatron's learning-rate scheduler, ``state_dict``
+    and checkpoints see them all; a group flagged ``group['muon']`` keeps the Muon state of
+    its fp32 master shards (``momentum_buffer``, ``step``), which
+    :class:`MuonDistributedOptimizer` updates through its pipeline. ``step()`` is AdamW
+    over the other (scalar) groups only."""
 
     def __init__(self, param_groups: List[dict], config: MuonConfig) -> None:
         super().__init__(
@@ -58,31 +66,52 @@ class MuonAdamW(torch.optim.AdamW):
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
         )
-        self.muon_step: Optional[Callable[[List[dict]], None]] = None
-        self._stepped_early = False
-
-    @torch.no_grad()
-    def step_early(self) -> None:
-        """Take this step now; the next ``step()`` call (from Megatron's
-        ``step_with_ready_grads``) then only marks it done. Used to run the expert step
-        inside the dense pipeline, while its first gather is in flight."""
-        self.step()
-        self._stepped_early = True
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self._stepped_early:
-            self._stepped_early = False
-            return
+        """AdamW on the scalar groups (the Muon groups are left alone)."""
         groups = self.param_groups
         self.param_groups = [g for g in groups if not g.get("muon", False)]
         try:
             super().step()
         finally:
             self.param_groups = groups
-        if self.muon_step is None:
-            raise RuntimeError("MuonAdamW.step() called before MuonDistributedOptimizer installed the Muon step")
-        self.muon_step([g for g in groups if g.get("muon", False)])
+
+    @property
+    def muon_groups(self) -> List[dict]:
+        return [g for g in self.param_groups if g.get("muon", False)]
+
+
+@contextlib.contextmanager
+def megatron_timer(config, name: str) -> Iterator[None]:
+    """Megatron's optimizer timer of that name (Megatron-LM logs it), when timers are set."""
+    timers = config.timers
+    if timers is None:
+        yield
+        return
+    timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
+    try:
+        yield
+    finally:
+        timers(name).stop()
+
+
+@dataclass
+class MuonStepInFlight:
+    """A Muon step of one optimizer whose pipeline has launched its first gathers."""
+
+    run: PipelineRun
+    shards: List[Optional[torch.Tensor]]
+    """This rank's fp32 master shard of every Muon param (None where it holds nothing)."""
+    lr_wd: Dict[int, Tuple[float, float]]
+    """id(master shard) -> (learning rate, weight decay) of its group this step."""
+    cautious: bool
+
+    def apply(self, param_index: int, start: int, end: int, update: torch.Tensor) -> None:
+        """One arriving update piece onto its master shard range (lr, and cautious decay)."""
+        main = self.shards[param_index]
+        lr, wd = self.lr_wd[id(main)]
+        apply_update_(main[start:end], update, lr, wd, self.cautious)
 
 
 def init_state(opt: MuonAdamW, config=None) -> None:
@@ -146,8 +175,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         """DDP was built with ``muon_param_layout``: owners stay at the DP index holding each matrix."""
         self.qk_clip = qk_clip
         self.events = events if events is not None else []
-        self.while_first_gather_in_flight: Optional[Callable[[], None]] = None
-        """Work to run after the first gathers are launched (set by the chained optimizer)."""
         super().__init__(
             optimizer,
             config,
@@ -174,7 +201,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             storage = torch.device("cpu") if self.offload is not None else None
             self.second_moments = SecondMoments(config.muon_variance_reduction, self.pipeline.device, storage)
             self.pipeline.after_newton_schulz = self.second_moments
-        optimizer.muon_step = self._muon_step
 
     # ------------------------------------------------------------------ construction
     def _build_pipeline(self, tp_group: dist.ProcessGroup) -> Tuple[Plan, MuonPipeline]:
@@ -257,26 +283,13 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         Megatron's ``prepare_grads`` does this only with a loss scaler; we do it always
         (unit scale without one), so bf16 and fp32 runs skip non-finite steps too."""
         stub = getattr(self, "is_stub_optimizer", False)  # holds no params, still votes
-        with self._timer("optimizer-copy-to-main-grad"):
+        with megatron_timer(self.config, "optimizer-copy-to-main-grad"):
             if not stub:
                 self._copy_model_grads_to_main_grads()
-        with self._timer("optimizer-unscale-and-check-inf"):
+        with megatron_timer(self.config, "optimizer-unscale-and-check-inf"):
             inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
             grads = [] if stub else self._collect_main_grad_data_for_unscaling()
             return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
-
-    @contextlib.contextmanager
-    def _timer(self, name: str):
-        """Megatron's timer of the same name (Megatron-LM logs it), when timers are set."""
-        timers = self.config.timers
-        if timers is None:
-            yield
-            return
-        timers(name, log_level=1).start(barrier=self.config.barrier_with_L1_time)
-        try:
-            yield
-        finally:
-            timers(name).stop()
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -314,15 +327,59 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 if bucket_group.buckets:
                     model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
-    # ------------------------------------------------------------------ the Muon step
+    # ------------------------------------------------------------------ the update, in parts
     @torch.no_grad()
-    def _muon_step(self, groups: List[dict]) -> None:
+    def step_with_ready_grads(self) -> bool:
+        """This optimizer's whole update, when it steps alone (Megatron's ``step()`` calls
+        this after preparing and clipping the gradients). Under
+        :class:`MuonChainedOptimizer` the chain runs the same parts itself, interleaving the
+        dense and expert optimizers."""
+        with megatron_timer(self.config, "optimizer-inner-step"):
+            self.muon_step()
+            self.adamw_step()
+            self.apply_qk_clip()
+        with megatron_timer(self.config, "optimizer-copy-main-to-model-params"):
+            self._copy_main_params_to_model_params()
+        self.start_param_sync()
+        return True
+
+    @torch.no_grad()
+    def launch_muon_step(self) -> MuonStepInFlight:
+        """Start the Muon update of this rank's master shards: momentum (and Nesterov),
+        decoupled weight decay, then the pipeline's first chunks' gathers, which are in
+        flight when this returns (all-to-all over the orthogonalization group)."""
         cfg: MuonConfig = self.config
-        mu = cfg.muon_momentum
-        hyper = {}
-        for group in groups:
-            for p in group["params"]:
-                hyper[id(p)] = (group["lr"], group["weight_decay"])
+        lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
+        inputs = self._momentum_inputs(cfg.muon_momentum, cfg.muon_nesterov)
+        cautious = cfg.muon_cautious_weight_decay
+        if not cautious:  # cautious decay needs the update: MuonStepInFlight.apply
+            for main in self._shards:
+                if main is not None and main.grad is not None:
+                    lr, wd = lr_wd[id(main)]
+                    if wd != 0.0:
+                        main.mul_(1.0 - lr * wd)
+        run = self.pipeline.launch_first_gathers(inputs)
+        return MuonStepInFlight(run, self._shards, lr_wd, cautious)
+
+    @torch.no_grad()
+    def complete_muon_step(self, step: MuonStepInFlight) -> None:
+        """The rest of the pipeline: every chunk's Newton–Schulz on its owners and the
+        scatter back; each update piece lands on its master shard range as it arrives."""
+        try:
+            self.pipeline.run_chunks(step.run, step.apply)
+        finally:
+            if self.offload is not None:
+                self.offload.finish()
+
+    def muon_step(self) -> None:
+        """The whole Muon update of this optimizer's matrices."""
+        self.complete_muon_step(self.launch_muon_step())
+
+    def _momentum_inputs(self, mu: float, nesterov: bool):
+        """Advance every held shard's step count and momentum; return the pipeline's inputs
+        (per Muon param, this rank's Nesterov momentum shard or None), or, with
+        ``muon_cpu_offload``, the offload's per-chunk producer (it updates the momentum of
+        each chunk's ranges as the chunk is launched)."""
         if self.offload is not None:
             self.offload.adopt(self.optimizer.state, self._shards)
         mains, grads, bufs, steps = [], [], [], []
@@ -340,39 +397,36 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         if steps:
             torch._foreach_add_(steps, 1.0)
         if self.offload is not None:
-            # The momentum stays in the CPU pool: each chunk updates its own ranges on the
-            # device as the pipeline launches it.
-            inputs = self.offload.begin([m.grad if m is not None else None for m in self._shards], mu, cfg.muon_nesterov)
+            return self.offload.begin([m.grad if m is not None else None for m in self._shards], mu, nesterov)
+        if bufs:
+            torch._foreach_mul_(bufs, mu)
+            torch._foreach_add_(bufs, grads)
+            updated = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else bufs
         else:
-            if bufs:
-                torch._foreach_mul_(bufs, mu)
-                torch._foreach_add_(bufs, grads)
-                inputs_list = torch._foreach_add(grads, bufs, alpha=mu) if cfg.muon_nesterov else bufs
-            else:
-                inputs_list = []
-            by_main = {id(m): x for m, x in zip(mains, inputs_list)}
-            inputs = [by_main.get(id(m)) if m is not None else None for m in self._shards]
+            updated = []
+        by_main = {id(m): x for m, x in zip(mains, updated)}
+        return [by_main.get(id(m)) if m is not None else None for m in self._shards]
 
-        cautious = cfg.muon_cautious_weight_decay
-        for main in mains:
-            lr, wd = hyper[id(main)]
-            if wd != 0.0 and not cautious:  # cautious decay needs the update: in apply
-                main.mul_(1.0 - lr * wd)
+    @torch.no_grad()
+    def adamw_step(self) -> None:
+        """AdamW on this rank's shards of the scalar parameters (the inner optimizer)."""
+        self.optimizer.step()
 
-        shards = self._shards
-
-        def apply(param_index: int, start: int, end: int, update: torch.Tensor) -> None:
-            main = shards[param_index]
-            lr, wd = hyper[id(main)]
-            apply_update_(main[start:end], update, lr, wd, cautious)
-
-        try:
-            self.pipeline.run(inputs, apply, self.while_first_gather_in_flight)
-        finally:
-            if self.offload is not None:
-                self.offload.finish()
+    @torch.no_grad()
+    def apply_qk_clip(self) -> None:
+        """QK-Clip on the updated fp32 masters (dense optimizer only; all-reduces the
+        per-head max logits over DP x CP and the peak over the model-parallel group)."""
         if self.qk_clip is not None:
             self.qk_clip.apply(self.shard_of)
+
+    def start_param_sync(self) -> None:
+        """Megatron's parameter all-gather after the update (``DistributedOptimizer.
+        step_with_ready_grads``): synchronous here, unless DDP overlaps it with the next
+        forward (``overlap_param_gather``)."""
+        if self.ddp_config.overlap_param_gather:
+            return
+        with megatron_timer(self.config, "params-all-gather"):
+            self.start_param_sync_for_bucket_group_subset()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -453,157 +507,3 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def load_common_state(self, common: Dict[str, object]) -> None:
         if self.grad_scaler and common.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(common["grad_scaler"])
-
-
-class MuonChainedOptimizer(ChainedOptimizer):
-    """Megatron's ChainedOptimizer over our dense and expert optimizers, with our extras.
-
-    With ``muon_overlap_expert_ns`` the expert optimizer's step (its stacked per-expert
-    Newton–Schulz) runs inside the dense pipeline, after the dense pipeline has launched
-    its first gathers and before it waits for them, so that communication is hidden
-    behind expert compute.
-    """
-
-    def __init__(self, chained_optimizers, events: Optional[List[Tuple[str, str, int]]] = None) -> None:
-        super().__init__(chained_optimizers)
-        self.events = events if events is not None else []
-        self.num_steps = 0
-        """Successful optimizer steps taken (saved in checkpoints)."""
-        self.skips = SkipCounter(self.config.muon_max_consecutive_skipped_steps)
-        """Steps skipped for non-finite gradients (``skips.skipped_steps``, ``skips.consecutive``)."""
-
-    @property
-    def trace(self) -> List[Tuple[str, str, int]]:
-        """Stage events of the last step of every pipeline, in execution order."""
-        return list(self.events)
-
-    @property
-    def qk_clip(self) -> Optional[QKClip]:
-        return next((o.qk_clip for o in self.muon_optimizers if o.qk_clip is not None), None)
-
-    @property
-    def max_attention_logit(self) -> Optional[float]:
-        """The largest attention logit of the last step (QK-Clip / logging), or None."""
-        clip = self.qk_clip
-        return clip.max_attention_logit if clip is not None else None
-
-    @torch.no_grad()
-    def prepare_grads(self) -> bool:
-        """Check every chained optimizer, then update every loss scaler with the combined
-        flag, so the dense and expert optimizers skip together and their scales stay equal
-        (Megatron's chain would update each scaler with its own optimizer's flag)."""
-        flags = [opt.unscale_and_check_grads() for opt in self.muon_optimizers]
-        found = bool(torch.cat(flags).max().item() > 0)
-        for opt in self.muon_optimizers:
-            if opt.grad_scaler:
-                opt.grad_scaler.update(found)
-        return found
-
-    @torch.no_grad()
-    def step(self):
-        """Megatron's chained step; a step with non-finite gradients returns
-        ``(False, None, None)`` on every rank with all state untouched, and the
-        ``muon_max_consecutive_skipped_steps``-th such step in a row raises
-        :class:`~megatron_muon.non_finite.NonFiniteGradientError` on every rank."""
-        try:
-            result = super().step()
-        finally:
-            # A skipped step (inf/nan) still starts the next one with fresh recorders.
-            if self.qk_clip is not None:
-                self.qk_clip.reset()
-        if result[0]:
-            self.num_steps += 1
-        skipped = not result[0] and result[1] is None  # (False, norm, ..) is Megatron's grad-norm skip
-        counts = skipped and not any(opt.loss_scaler_can_back_off() for opt in self.muon_optimizers)
-        if self.skips.record(skipped, counts):
-            raise self._non_finite_error()
-        return result
-
-    def _non_finite_error(self) -> NonFiniteGradientError:
-        """Collective over the grad-statistics group: every rank gets the same message."""
-        names = [n for opt in self.muon_optimizers for n in opt.non_finite_grad_names()]
-        culprit = agreed_culprit(names, self.muon_optimizers[0].get_grad_stats_parallel_group())
-        return NonFiniteGradientError(
-            f"{self.skips.consecutive} consecutive optimizer steps skipped for non-finite gradients "
-            f"(inf/NaN), e.g. in parameter {culprit}; parameters and optimizer state are from the "
-            "last good step. Lower the learning rate or check the data, or raise "
-            "MuonConfig.muon_max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps; 0 = never raise)."
-        )
-
-    # ------------------------------------------------------------------ checkpoints
-    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Megatron dist-checkpointing state: every state tensor in model coordinates (see
-        ``megatron_muon.checkpoint``), reshardable across TP/PP/EP/DP and expert layouts."""
-        from .checkpoint import FORMAT, optimizer_sharded_state
-
-        param_state: Dict[str, object] = {}
-        for opt in self.muon_optimizers:
-            param_state.update(optimizer_sharded_state(opt, model_sharded_state_dict, is_loading))
-        cfg = self.config
-        return {
-            "format": FORMAT,
-            "step": self.num_steps,
-            "optimizers": {opt.name: opt.common_state() for opt in self.muon_optimizers},
-            "muon_config": {
-                k: (str(v) if isinstance(v, torch.dtype) else v)
-                for k, v in vars(cfg).items()
-                if (k.startswith("muon_") or k in ("lr", "min_lr", "weight_decay", "clip_grad", "bf16", "fp16"))
-                and not callable(v)
-            },
-            "param_state": param_state,
-        }
-
-    def load_sharded(self, state_dict) -> None:
-        """Load a state produced by ``sharded_state_dict`` (after dist_checkpointing.load)."""
-        from .checkpoint import load_optimizer_state
-
-        self.num_steps = int(state_dict["step"])
-        commons = state_dict["optimizers"]
-        for opt in self.muon_optimizers:
-            load_optimizer_state(opt, state_dict["param_state"], self.num_steps)
-            opt.load_common_state(commons.get(opt.name) or commons["dense"])
-
-    def state_dict(self):
-        """Per-rank state for a same-layout resume (see ``sharded_state_dict`` for resharding)."""
-        return {"chained": super().state_dict(), "num_steps": self.num_steps}
-
-    def load_state_dict(self, state_dict):
-        from .checkpoint import FORMAT
-
-        if isinstance(state_dict, dict) and "chained" in state_dict:
-            super().load_state_dict(state_dict["chained"])
-            self.num_steps = int(state_dict["num_steps"])
-            return
-        if isinstance(state_dict, dict) and state_dict.get("format") == FORMAT:
-            self.load_sharded(state_dict)  # the result of dist_checkpointing.load
-            return
-        super().load_state_dict(state_dict)
-
-    def _step(self) -> bool:
-        self.events.clear()
-        by_name = {o.name: o for o in self.muon_optimizers}
-        dense, expert = by_name.get("dense"), by_name.get("expert")
-        overlap = dense is not None and expert is not None and self.config.muon_overlap_expert_ns
-        if not overlap:
-            return super()._step()
-        dense.while_first_gather_in_flight = expert.optimizer.step_early
-        try:
-            return super()._step()
-        finally:
-            dense.while_first_gather_in_flight = None
-
-    @property
-    def muon_optimizers(self) -> List[MuonDistributedOptimizer]:
-        return [o for o in self.chained_optimizers if isinstance(o, MuonDistributedOptimizer)]
-
-    @property
-    def traffic(self) -> Dict[str, int]:
-        total: Dict[str, int] = {}
-        for opt in self.muon_optimizers:
-            for k, v in opt.traffic.items():
-                total[k] = total.get(k, 0) + v
-        return total
-
-    def reset_traffic(self) -> None:
-        for opt in self.muon_optimizers:
-            opt.reset_traffic()

@@ -18,8 +18,10 @@ For every chunk of the plan, on every rank of the orthogonalization group:
 
 The orchestrator keeps up to ``max_inflight`` gathers in flight, so chunk ``i+1``'s
 gather travels while chunk ``i`` computes, and chunk ``i``'s scatter travels while
-chunk ``i+1`` computes. Every stage appends an event to ``events`` so tests can see the
-order. Bytes each rank sends are counted in ``traffic``.
+chunk ``i+1`` computes. A step is two calls, ``launch_first_gathers`` and ``run_chunks``,
+so that the caller can do other work while the first gathers travel (the chained
+optimizer runs the expert step there). Every stage appends an event to ``events`` so
+tests can see the order. Bytes each rank sends are counted in ``traffic``.
 """
 
 from __future__ import annotations
@@ -319,37 +321,34 @@ class MuonPipeline:
                 self.update(comm, self.complete_scatter(comm, pending), apply)
 
     # ---------------------------------------------------------------- orchestrator
-    def run(
-        self,
-        inputs: Union[Sequence[Optional[torch.Tensor]], PiecesFn],
-        apply: UpdateFn,
-        while_first_gather_in_flight: Optional[Callable[[], None]] = None,
-    ) -> None:
-        """One orthogonalization step. ``inputs[p]``: this rank's 1-D shard of the
-        momentum (Nesterov) of param ``p`` (None where this rank holds nothing); or a
-        ``PiecesFn`` that produces each chunk's pieces when the chunk is launched.
-        ``while_first_gather_in_flight`` runs after the first gathers are launched and
-        before the first is waited on (the expert batch hides communication there)."""
+    def launch_first_gathers(self, inputs: Union[Sequence[Optional[torch.Tensor]], PiecesFn]) -> "PipelineRun":
+        """Start one orthogonalization step: launch the gathers of the first
+        ``max_inflight`` chunks and return while they are in flight (nothing waits here).
+        ``inputs[p]``: this rank's 1-D shard of the momentum (Nesterov) of param ``p``
+        (None where this rank holds nothing); or a ``PiecesFn`` that produces each chunk's
+        pieces when the chunk is launched. Finish the step with :meth:`run_chunks`."""
         self.computed = []
-        gathers: deque = deque()
-        scatters: deque = deque()
-        launched = 0
-
-        def launch_next() -> None:
-            nonlocal launched
-            if launched < len(self.comms):
-                gathers.append((launched, self.launch_gather(self.comms[launched], inputs)))
-                launched += 1
-
+        run = PipelineRun(inputs)
         for _ in range(self.max_inflight):
-            launch_next()
-        if while_first_gather_in_flight is not None:
-            while_first_gather_in_flight()
-        while gathers:
-            i, pending = gathers.popleft()
+            self._launch_next_gather(run)
+        return run
+
+    def _launch_next_gather(self, run: "PipelineRun") -> None:
+        if run.launched < len(self.comms):
+            run.gathers.append((run.launched, self.launch_gather(self.comms[run.launched], run.inputs)))
+            run.launched += 1
+
+    def run_chunks(self, run: "PipelineRun", apply: UpdateFn) -> None:
+        """Finish a step started by :meth:`launch_first_gathers`: chunk after chunk, wait
+        for its gather, launch the next chunk's gather, compute, launch its scatter, and
+        apply the previous chunk's update pieces (``apply``), so one gather and one scatter
+        travel while a chunk computes."""
+        scatters: deque = deque()
+        while run.gathers:
+            i, pending = run.gathers.popleft()
             comm = self.comms[i]
             matrices = self.complete_gather(comm, pending)
-            launch_next()
+            self._launch_next_gather(run)
             outputs = self.compute(comm, matrices)
             scatters.append((i, self.launch_scatter(comm, outputs)))
             if len(scatters) > 1:
@@ -358,3 +357,18 @@ class MuonPipeline:
         while scatters:
             j, done = scatters.popleft()
             self.update(self.comms[j], self.complete_scatter(self.comms[j], done), apply)
+
+    def run(self, inputs: Union[Sequence[Optional[torch.Tensor]], PiecesFn], apply: UpdateFn) -> None:
+        """One whole orthogonalization step (:meth:`launch_first_gathers`, then :meth:`run_chunks`)."""
+        self.run_chunks(self.launch_first_gathers(inputs), apply)
+
+
+@dataclass
+class PipelineRun:
+    """One step of a :class:`MuonPipeline` in progress: its inputs and the chunks whose
+    gathers are in flight (chunk index, pending exchange), oldest first."""
+
+    inputs: Union[Sequence[Optional[torch.Tensor]], PiecesFn]
+    gathers: deque = field(default_factory=deque)
+    launched: int = 0
+    """Chunks whose gather has been launched."""

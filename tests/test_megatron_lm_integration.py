@@ -257,7 +257,7 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
 
     from megatron_muon import get_muon_optimizer
     from megatron_muon.buffer_layout import is_muon_param_layout
-    from megatron_muon.optimizer import MuonChainedOptimizer
+    from megatron_muon import MuonChainedOptimizer
     from megatron_muon.testing import models as M
 
     I.use_megatron_muon()
