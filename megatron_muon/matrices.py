@@ -211,8 +211,9 @@ def _plain_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
     return [whole_matrix(ctx)]
 
 
-def _qkv_parts(model_config) -> List[Tuple[str, int]]:
-    """Rows of one query group of a fused QKV weight, in storage order."""
+def qkv_parts(model_config) -> List[Tuple[str, int]]:
+    """(role, rows) of one query group of a fused QKV weight, in storage order (the one
+    definition of the Q/K/V split; the benchmarks use it too)."""
     heads = model_config.num_attention_heads
     groups = model_config.num_query_groups or heads
     d = model_config.kv_channels
@@ -340,7 +341,7 @@ def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
     return grouped_rows(
         ctx,
         groups,
-        _qkv_parts(mc),
+        qkv_parts(mc),
         ctx.config.muon_qkv_split,
         {"q": heads_per_group, "q_gate": heads_per_group},
         describe=f"num_query_groups={groups}, num_attention_heads={heads}, kv_channels={mc.kv_channels}",

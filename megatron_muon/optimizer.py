@@ -34,9 +34,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from .config import MuonConfig, update_scale
+from .dp_ranges import dp_shard_ranges
 from .matrices import MuonParam, unwrap
 from .non_finite import local_non_finite_names, non_finite_flag
 from .pipeline import MuonPipeline, PipelineRun
@@ -126,27 +127,6 @@ def init_state(opt: MuonAdamW, config=None) -> None:
                 else:
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-
-
-def dp_shard_ranges(buffer) -> Dict[torch.nn.Parameter, List[Tuple[int, int]]]:
-    """For every param of a DDP buffer, the flat range of it that each DP rank owns.
-
-    Uses Megatron's own range computation, evaluated for every rank rather than only
-    this one, so every rank knows where every piece lives.
-    """
-    size = buffer.data_parallel_group.size()
-    out: Dict[torch.nn.Parameter, List[Tuple[int, int]]] = {}
-    for bucket in buffer.buckets:
-        per_rank = bucket.grad_data.numel() // size
-        bucket_params = {p: buffer.param_index_map[p] for p in bucket.params}
-        for r in range(size):
-            world = Range(bucket.offset + r * per_rank, bucket.offset + (r + 1) * per_rank)
-            ranges = DistributedOptimizer._build_model_gbuf_param_range_map(bucket_params, world, bucket.offset)
-            for p, rng in ranges.items():
-                out.setdefault(p, [(0, 0)] * size)[r] = (rng["param"].start, rng["param"].end)
-    for p, ranges in out.items():
-        out[p] = [(s, e) if e > s else (0, 0) for s, e in ranges]
-    return out
 
 
 class MuonDistributedOptimizer(DistributedOptimizer):

@@ -330,39 +330,3 @@ class ReferenceMuon:
                 muon_update(p.data, grads[key], self.state[key], lr, wd, self.matrices[key], self.config)
         muon_clip_(self.attention, self.tconfig)
         return norm
-
-
-def reference_train(
-    spec, config: MuonConfig, batches: Sequence[torch.Tensor], micro_batch_size: int,
-    lrs: Optional[Sequence[float]] = None,
-):
-    """Train the one-rank model of ``spec`` with ``ReferenceMuon``; run it inside
-    ``run_distributed(reference_train, 1, spec, config, batches, micro_batch_size)``.
-
-    Each batch ``[B, seq+1]`` is cut into ``B / micro_batch_size`` micro-batches; the loss
-    is Megatron's: mean over micro-batches of each micro-batch's mean token loss (so each
-    micro-batch's backward is scaled by ``1 / num_microbatches``). No DDP: grads land in
-    ``.grad``. ``lrs`` optionally gives each step's lr. Returns ``(losses, state)``: each
-    step's loss (forward before that step's update) and ``gather_canonical_state``.
-    """
-    from .testing.models import build_model_chunks, canonical_init_, gather_canonical_state
-
-    chunks = build_model_chunks(spec)
-    assert len(chunks) == 1, "reference_train runs a one-rank model"
-    model = chunks[0]
-    canonical_init_(chunks, seed=0)
-    opt = ReferenceMuon(chunks, config)
-    losses = []
-    for i, tokens in enumerate(batches):
-        model.zero_grad(set_to_none=True)
-        micro = tokens.split(micro_batch_size, dim=0)
-        total = 0.0
-        for mb in micro:
-            inputs, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()
-            position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
-            loss = model(inputs, position_ids, None, labels=labels).float().mean()
-            (loss / len(micro)).backward()
-            total += float(loss.detach())
-        losses.append(total / len(micro))
-        opt.step(lr=None if lrs is None else lrs[i])
-    return losses, gather_canonical_state(chunks)

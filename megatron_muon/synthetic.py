@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .config import MuonConfig
+from .dp_ranges import dp_ranges_in_layout
 from .matrices import MuonParam, ParamContext, logical_matrices
 from .planner import OrthoGroup, Plan, build_plan
 
@@ -33,20 +34,6 @@ class ParamShape:
     partition_dim: Optional[int] = None
     parent_attr: Optional[str] = None
     """'linear_fc1', 'linear_qkv', ... (what the layout rules look at)."""
-
-
-def dp_ranges_in_layout(layout, param: torch.Tensor, dp_size: int) -> List[Tuple[int, int]]:
-    """Each DP rank's (start, end) of ``param``'s flat storage, under one of Megatron's
-    per-buffer layouts (``(0, 0)`` where the rank holds none of it)."""
-    start, end, bucket_id = layout.param_index_map[param]
-    b_start, b_end = layout.bucket_indices[bucket_id]
-    per_rank = (b_end - b_start) // dp_size
-    ranges = []
-    for r in range(dp_size):
-        lo, hi = b_start + r * per_rank, b_start + (r + 1) * per_rank
-        s, e = max(start, lo), min(end, hi)
-        ranges.append((s - start, e - start) if e > s else (0, 0))
-    return ranges
 
 
 def _dp_ranges(params: Sequence[torch.Tensor], dp_size: int) -> List[List[Tuple[int, int]]]:

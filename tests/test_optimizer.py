@@ -93,12 +93,10 @@ def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
 
 
 def reference(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
-    from megatron_muon.reference import reference_train
-
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, steps)
     return {
-        name: reference_train(spec, muon_config(spec, **{k: v for k, v in overrides.items() if k != "ddp"}), batches, MBS)
+        name: M.reference_train(spec, muon_config(spec, **{k: v for k, v in overrides.items() if k != "ddp"}), batches, MBS)
         for name, overrides in variants.items()
     }
 

@@ -16,8 +16,8 @@ from megatron_muon.reference import (
     is_muon_matrix,
     logical_matrices,
     orthogonalized_update,
-    reference_train,
 )
+from megatron_muon.testing.models import reference_train
 
 
 def _config(**kw) -> MuonConfig:

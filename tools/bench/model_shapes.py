@@ -263,10 +263,3 @@ def buffer_layouts(params: List[StageParam], dp: int, edp: int, bucket_size: Opt
     cls = LayerWiseDistributedOptimizer if layer_wise else DistributedOptimizer
     return cls.compute_full_param_layout(plist, bucket_size, dp, ddp_config(grad_reduce_in_fp32),
                                          expert_data_parallel_world_size=edp)
-
-
-def owner_shard(layout, param: torch.nn.Parameter) -> int:
-    """The DP rank that owns a whole param under Megatron's layer-wise layout."""
-    start, _, bucket = layout.param_index_map[param]
-    b_start, b_end = layout.bucket_indices[bucket]
-    return (start - b_start) // ((b_end - b_start) // layout.num_optimizer_shards)

@@ -182,7 +182,7 @@ def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup:
         timing=_time_peers(names, spec, tokens, mbs, steps, warmup, device, interleave,
                            peers.Hyper(chunk_numel=chunk_numel)),
         probe={},
-        qkv_parts=peers.qkv_parts(M.transformer_config(spec)),
+        attention=peers.attention_dims(M.transformer_config(spec)),
     )
     want_grads = True
     for name in names:
@@ -215,7 +215,7 @@ def orthogonalization_errors(ranks: List[Dict[str, Any]], device: str) -> Dict[s
 
     grad_rank = next(r for r in ranks if any("grad" in p for p in r["probe"].values()))
     grad_peer = next(n for n, p in grad_rank["probe"].items() if "grad" in p)
-    parts = ranks[0]["qkv_parts"]
+    attention = ranks[0]["attention"]
     # Full gradient: sum over DP ranks of the local gradients, TP pieces joined.
     names = list(grad_rank["probe"][grad_peer]["grad"])
     dims = grad_rank["probe"][grad_peer]["dim"]
@@ -225,7 +225,7 @@ def orthogonalization_errors(ranks: List[Dict[str, Any]], device: str) -> Dict[s
         for r in ranks:
             g = r["probe"][grad_peer]["grad"][n]
             by_tp[r["tp"]] = g if r["tp"] not in by_tp else by_tp[r["tp"]] + g
-        grads.update(peers.logical_parts(n, _full(by_tp, dims[n]), parts))
+        grads.update(peers.logical_parts(n, _full(by_tp, dims[n]), attention))
     targets = {}
     for key, g in grads.items():
         g = g.to(device)
@@ -243,7 +243,7 @@ def orthogonalization_errors(ranks: List[Dict[str, Any]], device: str) -> Dict[s
         changes = {}
         for n in names:
             by_tp = {r["tp"]: r["probe"][peer]["change"][n] for r in ranks if r["dp"] == 0}
-            changes.update(peers.logical_parts(n, _full(by_tp, dims[n]), parts))
+            changes.update(peers.logical_parts(n, _full(by_tp, dims[n]), attention))
         per = {k: (direction_error(changes[k].to(device), p), direction_error(changes[k].to(device), ns))
                for k, (p, ns) in targets.items()}
         polar = [v[0] for v in per.values()]

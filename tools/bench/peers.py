@@ -281,23 +281,23 @@ def capture_local_grads(params: Dict[str, torch.nn.Parameter]) -> Iterator[Dict[
         mcd.finalize_model_grads = original
 
 
-def qkv_parts(config) -> Optional[List[Tuple[str, int]]]:
-    """(role, rows) of one query group of a fused ``linear_qkv``, as every peer splits it."""
-    heads = config.num_attention_heads
-    groups = config.num_query_groups or heads
-    d = config.kv_channels
-    return [("q", heads // groups * d), ("k", d), ("v", d)]
+def attention_dims(config) -> Dict[str, int]:
+    """The TransformerConfig fields that decide a fused QKV weight's Q/K/V split."""
+    return dict(num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
+                kv_channels=config.kv_channels)
 
 
-def logical_parts(name: str, full: torch.Tensor, parts: List[Tuple[str, int]]) -> Dict[str, torch.Tensor]:
-    """The Q, K, V matrices of a full fused QKV weight (rows: query groups of [q; k; v]);
-    any other weight is one matrix."""
+def logical_parts(name: str, full: torch.Tensor, dims: Dict[str, int]) -> Dict[str, torch.Tensor]:
+    """The Q, K, V matrices of a full fused QKV weight, split by the single-process
+    reference (``megatron_muon.reference.logical_matrices``, whole parts, as every peer
+    splits it); any other weight is one matrix."""
+    from types import SimpleNamespace
+
+    from megatron_muon import MuonConfig
+    from megatron_muon.reference import logical_matrices
+
     if not name.endswith("linear_qkv.weight"):
         return {name: full}
-    group_rows = sum(r for _, r in parts)
-    grouped = full.view(full.shape[0] // group_rows, group_rows, full.shape[1])
-    out, offset = {}, 0
-    for role, rows in parts:
-        out[f"{name}[{role}]"] = grouped[:, offset : offset + rows].reshape(-1, full.shape[1])
-        offset += rows
-    return out
+    split = MuonConfig(lr=1e-3, muon_split_qkv=True, muon_qkv_split="part")
+    matrices = logical_matrices(name, full.shape, SimpleNamespace(**dims), split)
+    return {f"{name}[{role}]": m.read(full) for role, m in zip(("q", "k", "v"), matrices)}

@@ -198,7 +198,7 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
                owner_layout: bool) -> None:
     from megatron_muon import MuonConfig
     from megatron_muon.planner import OrthoGroup, build_plan
-    from megatron_muon.synthetic import dp_ranges_in_layout
+    from megatron_muon.dp_ranges import dp_ranges_in_layout
 
     cfg = MuonConfig(lr=1e-3, muon_tp_mode=mode)
     for expert in (False, True):
@@ -254,10 +254,12 @@ def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[in
 def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[Tuple[int, int], Tuple[int, int], Optional[int]]]:
     """(local shape, full shape, partition dim) of each matrix Megatron's Muon orthogonalizes
     for one param: fused QKV split into Q, K, V (its ``split_qkv``), anything else whole."""
+    from megatron_muon.matrices import qkv_parts
+
     rows, cols = sp.param.shape
     dim = getattr(sp.param, "partition_dim", None) if getattr(sp.param, "tensor_model_parallel", False) else None
     if sp.parent_attr == "linear_qkv" and sp.parent_kind == "attention":
-        per_group = [m.heads // m.groups * m.kv_channels, m.kv_channels, m.kv_channels]
+        per_group = [part_rows for _, part_rows in qkv_parts(m.model_config())]
         local_groups = m.groups // size
         return [((local_groups * r, cols), (m.groups * r, cols), dim) for r in per_group]
     full = (rows * size, cols) if dim == 0 else (rows, cols * size) if dim == 1 else (rows, cols)
@@ -265,6 +267,7 @@ def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[
 
 
 def _megatron_costs(costs: RankCosts, params: List[S.StageParam], layouts, m, c: Cluster) -> None:
+    from megatron_muon.dp_ranges import holder_dp_rank
     from megatron_muon.newton_schulz import newton_schulz_flops
 
     for sp in params:
@@ -272,7 +275,7 @@ def _megatron_costs(costs: RankCosts, params: List[S.StageParam], layouts, m, c:
             continue
         key = next(k for k, l in layouts.layouts.items() if sp.param in l.param_index_map)
         size = c.etp if sp.expert else c.tp
-        d = S.owner_shard(layouts.layouts[key], sp.param)
+        d = holder_dp_rank(layouts.layouts[key], sp.param, layouts.layouts[key].num_optimizer_shards)
         for local, full, dim in _megatron_parts(sp, m, size):
             sharded = dim is not None and size > 1
             side = full[1] if dim == 0 else full[0]
