@@ -45,8 +45,11 @@ class MuonConfig(OptimizerConfig):
     muon_coefficient_type: str = "quintic"
     """Newton–Schulz coefficients: 'quintic' (Keller Jordan's 3.4445, -4.7750, 2.0315 at
     every step; Megatron calls this set 'simple'), 'polar_express' (Amsel et al. 2025,
-    one polynomial per step) or 'megatron_quintic' (the per-step schedule Megatron-core
-    calls 'quintic'). See ``megatron_muon.newton_schulz.COEFFICIENT_SETS``."""
+    one polynomial per step), 'megatron_quintic' (the per-step schedule Megatron-core
+    calls 'quintic'), 'deepseek_v4' (DeepSeek-V4's hybrid: 8 quintic steps, then 2 of
+    (2, -1.5, 0.5); use 10 steps), 'cans' (Grishina et al. 2025, Chebyshev-type) or
+    'aol' (Turbo-Muon's set; 4 steps). Past the end of a schedule its last triple
+    repeats. See ``megatron_muon.newton_schulz.COEFFICIENT_SETS``."""
 
     muon_scale_mode: str = "moonlight"
     """Update scale from the logical matrix's full shape (m, n): 'moonlight' =

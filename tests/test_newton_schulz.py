@@ -248,6 +248,28 @@ def test_coefficient_set_names_and_values():
     assert pe.steps[-1] == (1.875, -1.25, 0.375) == pe.for_step(20)
 
 
+def test_named_sets_of_other_projects():
+    ds = COEFFICIENT_SETS["deepseek_v4"]
+    assert ds.schedule(10) == ((3.4445, -4.7750, 2.0315),) * 8 + ((2.0, -1.5, 0.5),) * 2
+    assert COEFFICIENT_SETS["cans"].steps[0] == (8.4703, -25.1081, 18.6293) and len(COEFFICIENT_SETS["cans"].steps) == 5
+    assert COEFFICIENT_SETS["aol"].steps[-1] == (2.7215, -3.0494, 1.3169) and len(COEFFICIENT_SETS["aol"].steps) == 4
+    # The same numbers as emerging-optimizers (Megatron-core's Muon backend) where it is installed.
+    eo = pytest.importorskip("emerging_optimizers.orthogonalized_optimizers.muon_utils")
+    for ours, theirs in (("deepseek_v4", "deepseekv4"), ("cans", "cans"), ("aol", "aol")):
+        assert COEFFICIENT_SETS[ours].steps == tuple(tuple(t) for t in eo._COEFFICIENT_SETS[theirs])
+
+
+@pytest.mark.parametrize("name,steps", [("deepseek_v4", 10), ("cans", 5), ("aol", 4)])
+def test_named_sets_orthogonalize(name, steps):
+    # Every value that is not tiny relative to the norm ends near one; DeepSeek-V4's two
+    # settling steps (p(1) = 1, p'(1) = 0) take it much closer than the quintic band.
+    G, U, V, s = make_matrix(64, 96, 1e2)
+    out = paired_singular_values(newton_schulz(G, steps, name, F32), U, V)
+    converged = (s / s.norm()) >= 2e-2
+    lo, hi = {"deepseek_v4": (0.95, 1.05), "cans": (0.6, 1.3), "aol": (0.6, 1.3)}[name]
+    assert out[converged].min() > lo and out[converged].max() < hi
+
+
 def test_unknown_coefficient_name_raises():
     with pytest.raises(ValueError) as info:
         newton_schulz(torch.randn(4, 6), 5, "cubic")
