@@ -15,6 +15,7 @@ import torch
 from megatron.core.optimizer import OptimizerConfig
 
 TP_MODES = ("exact", "blockwise", "duplicated")
+NS_METHODS = ("standard", "gram", "auto")
 SCALE_MODES = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
 QKV_SPLITS = ("part", "group", "head")
 MLA_SPLITS = ("none", "part", "head")
@@ -63,8 +64,17 @@ class MuonConfig(OptimizerConfig):
     muon_ns_dtype: torch.dtype = torch.bfloat16
     """Compute dtype of Newton–Schulz (bf16 by default; fp32 for exactness checks)."""
 
+    muon_ns_method: str = "standard"
+    """Newton–Schulz iteration: 'standard' (on the matrix X), 'gram' (on the small Gram
+    matrix X X^T, restarted midway; fewer FLOPs for wide matrices; with a 16-bit
+    ``muon_ns_dtype`` it computes in fp16, whose range its bounded values fit and whose
+    precision keeps it as close to fp32 as bf16 standard NS) or 'auto' (Gram for
+    matrices with aspect ratio >= ``newton_schulz.GRAM_MIN_ASPECT``, standard
+    otherwise). See ``megatron_muon.newton_schulz``."""
+
     muon_use_torch_compile: bool = False
-    """Compile the Newton–Schulz kernel with ``torch.compile`` (GPU only by default)."""
+    """Run the Newton–Schulz kernel through ``torch.compile`` (compiled on first use per
+    shape; pays off on GPUs, see docs/benchmarks.md)."""
 
     # --- distribution -------------------------------------------------------------------
     muon_tp_mode: str = "exact"
@@ -124,6 +134,7 @@ class MuonConfig(OptimizerConfig):
         super().__post_init__()
         checks = [
             ("muon_tp_mode", self.muon_tp_mode, TP_MODES),
+            ("muon_ns_method", self.muon_ns_method, NS_METHODS),
             ("muon_scale_mode", self.muon_scale_mode, SCALE_MODES),
             ("muon_qkv_split", self.muon_qkv_split, QKV_SPLITS),
             ("muon_split_mla", self.muon_split_mla, MLA_SPLITS),

@@ -20,25 +20,77 @@ so it gets closer to one in the same number of steps.
 
 When ``G`` is tall (``m > n``) we work on ``G^T`` so that ``X X^T`` is the smaller
 ``min(m, n)``-square Gram matrix, and transpose back at the end.
+
+**Gram Newton–Schulz** (``method="gram"``; DeepSpeed PR 7939, Dao AI Lab's "Gram
+Newton-Schulz") computes the same polynomial with fewer FLOPs for wide matrices. Every
+iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``R_0 = X_0 X_0^T``, so it
+iterates on the small ``k x k`` matrices only (``k = min(m, n)``, ``l = max(m, n)``)::
+
+    P = a I + b R + c R^2;   Q <- P Q;   R <- P R P          (= Q R_0 Q^T)
+
+and touches the ``k x l`` matrix twice: ``R_0 = X_0 X_0^T`` and ``X = Q X_0`` at the end.
+Per step that is 2-4 square products (``2 k^3`` each) instead of ``4 k^2 l + 2 k^3``.
+
+Its numerics differ from the standard iteration in one way that matters: ``Q`` grows like
+the product of the ``a`` coefficients (3.4445^5 ~ 490 for five quintic steps) in the
+directions of small singular values, and 16-bit rounding of a large ``Q`` leaks into the
+large directions of ``X_0``. Two measures keep Gram NS as close to fp32 NS as bf16
+standard NS is (measured in ``tests/test_newton_schulz.py``):
+
+* **restart** every :data:`GRAM_RESTART_STEPS` steps: ``X = Q X_0`` is materialised in
+  the compute dtype, ``R`` recomputed from it and ``Q`` reset to ``I`` (costs two
+  ``k x l`` products per restart; a cheaper ``R = Q R_0 Q^T`` restart was measured and
+  is far worse: ``R`` must be the Gram matrix of the ``X`` actually stored);
+* with a 16-bit compute dtype it computes in **fp16**, whatever the 16-bit type asked
+  for: every value it forms is bounded (``X`` normalised, entries of ``R`` <= 1, of ``Q``
+  <= ~41 thanks to the restart), so fp16's range suffices, and its 10-bit mantissa (bf16:
+  7) cuts every rounding eightfold at the same GEMM speed. The tiny entries of a
+  normalised huge matrix fall into fp16's subnormals, whose absolute step (6e-8) keeps
+  the matrix's total relative rounding below bf16's as long as ``m * n < ~1e9`` (the
+  largest DeepSeek-V3 matrix has 2.6e8 entries). Every GEMM accumulates in fp32 and the
+  norm is taken in fp32. With an fp32 compute dtype everything is fp32. In bf16 alone
+  the same algorithm measured about 2x the error of bf16 standard NS on gaussian input.
+
+``method="auto"`` picks Gram NS for matrices with aspect ratio ``max/min >=``
+:data:`GRAM_MIN_ASPECT` (where it measured faster) and the standard iteration otherwise.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 import torch
 
 __all__ = [
     "COEFFICIENT_SETS",
     "CoefficientSet",
+    "GRAM_MIN_ASPECT",
+    "GRAM_RESTART_STEPS",
+    "NS_METHODS",
+    "choose_method",
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_coefficients",
 ]
 
 Triple = Tuple[float, float, float]
+
+NS_METHODS = ("standard", "gram", "auto")
+"""Values of ``newton_schulz(method=...)`` and ``MuonConfig.muon_ns_method``."""
+
+GRAM_RESTART_STEPS = 3
+"""Gram NS restarts (materialises ``X``, recomputes ``R``, resets ``Q``) after this many
+steps. With 5 quintic steps, restarting after 3 kept the bf16 result closest to fp32 on
+gaussian, low-rank and ill-conditioned inputs (after 2: ~2x the error on ill-conditioned
+ones; never: up to 15x); ``Q`` then stays below 3.4445^3 ~ 41."""
+
+GRAM_MIN_ASPECT = 3.0
+"""``method="auto"`` uses Gram NS for matrices with ``max(m, n) / min(m, n) >=`` this.
+Measured with ``tools/bench/newton_schulz.py`` on the CPU (docs/benchmarks.md): Gram was
+1.2-1.3x slower at aspect 2, even at about 3 and faster above, although its counted FLOPs
+break even already at 1.5 (the small square products run further from peak)."""
 
 
 @dataclass(frozen=True)
@@ -161,13 +213,20 @@ def resolve_coefficients(coefficients: Union[str, CoefficientSet]) -> Coefficien
         ) from None
 
 
-def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
+def _normalised_wide(G: torch.Tensor, compute_dtype: torch.dtype, eps: float) -> Tuple[torch.Tensor, bool]:
+    """``G`` (transposed if tall) over its Frobenius norm, in ``compute_dtype``; and whether
+    it was transposed."""
     tall = G.size(-2) > G.size(-1)
     X = G.mT if tall else G
     # The norm is taken in fp32: a bf16 sum of squares over a large matrix loses digits,
     # and an underestimated norm would push singular values above 1, where p() diverges.
     X = X.float()
-    X = (X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)).to(compute_dtype)
+    return (X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)).to(compute_dtype), tall
+
+
+def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
+    """The standard iteration on ``X`` itself."""
+    X, tall = _normalised_wide(G, compute_dtype, eps)
     # The triples are Python floats fixed for a given config: torch.compile bakes them
     # into the graph once instead of taking them as inputs (nothing here varies per
     # training step, so there is nothing to recompile for).
@@ -183,10 +242,52 @@ def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: tor
     return X.to(G.dtype)
 
 
+def _gram_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
+    """Gram Newton–Schulz: iterate on ``R = X X^T`` and the accumulated ``Q`` (module
+    docstring), restarting every :data:`GRAM_RESTART_STEPS` steps."""
+    dtype = torch.float32 if compute_dtype == torch.float32 else torch.float16
+    X, tall = _normalised_wide(G, dtype, eps)
+    fma = torch.baddbmm if X.ndim == 3 else torch.addmm
+    for start in range(0, len(schedule), GRAM_RESTART_STEPS):
+        segment = schedule[start : start + GRAM_RESTART_STEPS]
+        R = X @ X.mT
+        Q: Optional[torch.Tensor] = None
+        for i, (a, b, c) in enumerate(segment):
+            # P = a I + Z is never formed: a*I folds into each product's scale-and-add
+            # (one rounding per product, as in the standard kernel).
+            Z = fma(R, R, R, beta=b, alpha=c)  # b*R + c*R@R
+            if Q is None:  # Q starts as I: the first step's product is free
+                Q = Z.clone()
+                Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            else:
+                Q = fma(Q, Z, Q, beta=a)  # P Q
+            if i + 1 < len(segment):  # the last step of a segment needs no R
+                PR = fma(R, Z, R, beta=a)  # P R
+                R = fma(PR, PR, Z, beta=a)  # P R P
+        X = Q @ X
+    if tall:
+        X = X.mT
+    return X.to(G.dtype)
+
+
+_KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"standard": _ns_kernel, "gram": _gram_kernel}
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled_kernel() -> Callable[..., torch.Tensor]:
-    # Compiled lazily and once per process; guards then specialise per shape/schedule.
-    return torch.compile(_ns_kernel)
+def _compiled_kernel(method: str) -> Callable[..., torch.Tensor]:
+    # Compiled lazily and once per process and method; guards then specialise per
+    # shape/schedule/dtype.
+    return torch.compile(_KERNELS[method])
+
+
+def choose_method(m: int, n: int, method: str = "auto") -> str:
+    """The iteration ``newton_schulz(method=method)`` runs on an ``m x n`` matrix:
+    ``"auto"`` resolves by aspect ratio (:data:`GRAM_MIN_ASPECT`)."""
+    if method not in NS_METHODS:
+        raise ValueError(f"Newton–Schulz method {method!r} is unknown; use one of {NS_METHODS}.")
+    if method != "auto":
+        return method
+    return "gram" if max(m, n) >= GRAM_MIN_ASPECT * min(m, n) else "standard"
 
 
 def newton_schulz(
@@ -196,6 +297,7 @@ def newton_schulz(
     compute_dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
     compiled: bool = False,
+    method: str = "standard",
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``G`` (or of each matrix of a stack).
 
@@ -207,6 +309,9 @@ def newton_schulz(
         compute_dtype: dtype of the iteration (bf16 by default; fp32 for exactness).
         eps: added to the Frobenius norm so an all-zero matrix maps to zero, not NaN.
         compiled: run a ``torch.compile``-d kernel (compiled on first use, then cached).
+        method: ``"standard"`` (iterate on ``X``), ``"gram"`` (iterate on ``X X^T``;
+            fewer FLOPs for wide matrices) or ``"auto"`` (by aspect ratio, see
+            :func:`choose_method`).
 
     Returns:
         A tensor of ``G``'s shape and dtype (computed in ``compute_dtype``, then cast).
@@ -215,18 +320,30 @@ def newton_schulz(
         raise ValueError(f"newton_schulz expects a 2-D matrix or 3-D stack, got shape {tuple(G.shape)}.")
     if steps < 0:
         raise ValueError(f"newton_schulz steps must be >= 0, got {steps}.")
+    method = choose_method(G.size(-2), G.size(-1), method)
     schedule = resolve_coefficients(coefficients).schedule(steps)
-    kernel = _compiled_kernel() if compiled else _ns_kernel
+    kernel = _compiled_kernel(method) if compiled else _KERNELS[method]
     return kernel(G, schedule, compute_dtype, eps)
 
 
-def newton_schulz_flops(m: int, n: int, steps: int = 5, batch: int = 1) -> int:
+def newton_schulz_flops(m: int, n: int, steps: int = 5, batch: int = 1, method: str = "standard") -> int:
     """Floating-point operations of one :func:`newton_schulz` call on ``batch`` ``m x n`` matrices.
 
-    Counts only the three matmuls per step, two FLOPs per multiply-add, with
-    ``k = min(m, n)`` and ``l = max(m, n)``: ``X X^T`` (``2 k^2 l``), ``A A`` (``2 k^3``)
-    and ``B X`` (``2 k^2 l``). The elementwise scale/add terms and the normalisation are
-    ``O(k l)`` and left out. Symmetric in ``(m, n)`` since tall inputs are transposed.
+    Counts only the matmuls, two FLOPs per multiply-add, with ``k = min(m, n)`` and
+    ``l = max(m, n)``; the elementwise terms and the normalisation are ``O(k l)`` and left
+    out. Symmetric in ``(m, n)`` since tall inputs are transposed.
+
+    * standard, per step: ``X X^T`` (``2 k^2 l``), ``A A`` (``2 k^3``), ``B X`` (``2 k^2 l``);
+    * gram, per restart segment of ``L`` steps: ``R = X X^T`` and ``X = Q X`` (``2 k^2 l``
+      each) and ``4 L - 3`` square products (``2 k^3`` each): ``R R`` every step, ``P Q``
+      from the second step on, ``P R P`` on all but the last.
     """
     k, l = min(m, n), max(m, n)
-    return batch * steps * (4 * k * k * l + 2 * k**3)
+    method = choose_method(m, n, method)
+    if method == "standard":
+        return batch * steps * (4 * k * k * l + 2 * k**3)
+    total = 0
+    for start in range(0, steps, GRAM_RESTART_STEPS):
+        length = min(GRAM_RESTART_STEPS, steps - start)
+        total += 4 * k * k * l + (4 * length - 3) * 2 * k**3
+    return batch * total

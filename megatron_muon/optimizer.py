@@ -174,7 +174,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 )
             dp_ranges[i] = ranges[mp.param]
         plan = build_plan(
-            self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel
+            self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel,
+            ns_method=cfg.muon_ns_method,
         )
         self._check_plan_agrees(plan)
         my_dp = group.coords[group.rank][1]
@@ -193,6 +194,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             device,
             name=self.name,
             events=self.events,
+            ns_method=cfg.muon_ns_method,
+            compiled=cfg.muon_use_torch_compile,
         )
         return plan, pipeline
 

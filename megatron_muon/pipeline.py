@@ -83,9 +83,12 @@ class MuonPipeline:
         device: Optional[torch.device] = None,
         name: str = "dense",
         events: Optional[List[Tuple[str, str, int]]] = None,
+        ns_method: str = "standard",
+        compiled: bool = False,
     ) -> None:
         """``local_starts[p]``: where this rank's shard of param ``p`` starts in the param's
-        flat storage. ``scales[j]``: update scale of job ``j``."""
+        flat storage. ``scales[j]``: update scale of job ``j``. ``ns_method`` and
+        ``compiled`` go to every :func:`newton_schulz` call."""
         self.plan = plan
         self.group = plan.group
         self.local_starts = list(local_starts)
@@ -93,6 +96,8 @@ class MuonPipeline:
         self.ns_steps = ns_steps
         self.coefficients = coefficients
         self.ns_dtype = ns_dtype
+        self.ns_method = ns_method
+        self.compiled = compiled
         self.comm_dtype = comm_dtype
         self.max_inflight = max_inflight
         self.device = device
@@ -215,7 +220,9 @@ class MuonPipeline:
         outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
         for members in by_shape.values():
             stack = torch.stack([matrices[i][k] for i, k in members])
-            ortho = newton_schulz(stack, self.ns_steps, self.coefficients, self.ns_dtype)
+            ortho = newton_schulz(
+                stack, self.ns_steps, self.coefficients, self.ns_dtype, compiled=self.compiled, method=self.ns_method
+            )
             scales = [self.scales[comm.owned[i].index] for i, _ in members]
             ortho = ortho * torch.tensor(scales, dtype=ortho.dtype, device=ortho.device).view(-1, 1, 1)
             for row, (i, k) in enumerate(members):

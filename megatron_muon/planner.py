@@ -141,9 +141,11 @@ def make_jobs(
     tp_size: int,
     tp_mode: str,
     ns_steps: int,
+    ns_method: str = "standard",
 ) -> List[Job]:
     """One job per logical matrix (exact), per TP piece (blockwise) or per TP rank that
-    needs the whole matrix (duplicated)."""
+    needs the whole matrix (duplicated). ``flops`` counts the iteration ``ns_method``
+    runs on the job's shape."""
     jobs: List[Job] = []
     all_tps = list(range(tp_size))
 
@@ -158,7 +160,7 @@ def make_jobs(
                 sources=segments(matrix, ranges, src_tps),
                 dests=segments(matrix, ranges, dst_tps),
                 owner_tp=owner_tp,
-                flops=newton_schulz_flops(rows, cols, ns_steps, batch=matrix.column_groups),
+                flops=newton_schulz_flops(rows, cols, ns_steps, batch=matrix.column_groups, method=ns_method),
             )
         )
 
@@ -238,9 +240,10 @@ def build_plan(
     tp_mode: str,
     ns_steps: int,
     chunk_numel: int,
+    ns_method: str = "standard",
 ) -> Plan:
     """The ownership plan for ``params`` (identical on every rank of ``group``)."""
-    jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps)
+    jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
     chunks, loads = assign_owners(jobs, group, chunk_numel)
     return Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads)
 

@@ -124,6 +124,8 @@ EXTRA = {
     "split": dict(muon_qkv_split="head", muon_split_glu=True),
     "group": dict(muon_qkv_split="group"),
     "chunks": dict(muon_chunk_numel=3000, muon_max_inflight_chunks=2),
+    # Gram Newton–Schulz against the reference's own (standard) iteration.
+    "gram": dict(muon_ns_method="gram"),
 }
 # Same numbers with DDP overlapping the grad reduce-scatter and param all-gather, in small
 # buckets (so parameters straddle bucket and shard boundaries).

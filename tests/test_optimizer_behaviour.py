@@ -277,6 +277,7 @@ def test_config_errors():
         ("muon_scale_mode", "rms"),
         ("muon_qkv_split", "token"),
         ("muon_coefficient_type", "cubic"),
+        ("muon_ns_method", "fast"),
         ("muon_ns_dtype", torch.int8),
     ]:
         with pytest.raises(ValueError, match=field):
@@ -313,3 +314,36 @@ def test_error_messages():
     assert "DistributedDataParallel" in messages["no_ddp"]
     assert "use_distributed_optimizer=True" in messages["no_distopt"]
     assert "linear_qkv.weight" in messages["shape"] and "num_query_groups=1" in messages["shape"]
+
+
+def _ns_options_reach_the_kernel():
+    """Train one step with compile and Gram on; record which kernels the step asked for.
+    ``_compiled_kernel`` is replaced by a recorder returning the eager kernel, so this
+    checks the wiring in seconds (the real compile is tested in test_newton_schulz.py)."""
+    from megatron_muon import newton_schulz as ns
+
+    asked = []
+
+    def recorder(method):
+        asked.append(method)
+        return ns._KERNELS[method]
+
+    ns._compiled_kernel = recorder
+    spec = DENSE
+    chunks, model, opt, sched = build(spec, muon_use_torch_compile=True, muon_ns_method="gram")
+    loss, ok = M.train_step(model, opt, M.synthetic_batches(spec, GBS, 1)[0], MBS, spec)
+    eager = []
+    chunks, model, opt, sched = build(spec, muon_ns_method="auto")
+    ns._KERNELS = {k: (lambda f, k=k: (lambda *a: eager.append(k) or f(*a)))(f) for k, f in ns._KERNELS.items()}
+    M.train_step(model, opt, M.synthetic_batches(spec, GBS, 1)[0], MBS, spec)
+    shapes = [job.matrix.ns_shape for o in opt.muon_optimizers for job in o.plan.jobs]
+    return dict(ok=ok, asked=asked, eager=eager, shapes=shapes)
+
+
+def test_compile_flag_and_ns_method_reach_newton_schulz():
+    from megatron_muon.newton_schulz import choose_method
+
+    out = run_distributed(_ns_options_reach_the_kernel, 1)[0]
+    assert out["ok"] and out["asked"] and set(out["asked"]) == {"gram"}
+    # 'auto': uncompiled, and per shape as choose_method says.
+    assert set(out["eager"]) == {choose_method(*shape) for shape in out["shapes"]}
