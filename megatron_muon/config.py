@@ -84,6 +84,12 @@ class MuonConfig(OptimizerConfig):
     approximation). 'duplicated': every tensor-parallel rank orthogonalizes the whole
     matrix for itself (exact, TP-times the work)."""
 
+    muon_split_ns_max_ranks: int = 8
+    """Split Newton–Schulz: a matrix whose NS cost alone exceeds a rank's mean load is
+    orthogonalized by an aligned block of up to this many ranks (a power of two; keep it
+    within a node), its columns split and its Gram matrix all-reduced each step
+    (``megatron_muon.split_newton_schulz``). 1 turns splitting off."""
+
     muon_comm_dtype: torch.dtype = torch.bfloat16
     """Dtype of the momentum and update pieces on the wire."""
 
@@ -155,6 +161,11 @@ class MuonConfig(OptimizerConfig):
             raise ValueError(f"MuonConfig.muon_num_ns_steps must be >= 1, got {self.muon_num_ns_steps}.")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ValueError(f"MuonConfig.muon_momentum must be in [0, 1), got {self.muon_momentum}.")
+        if self.muon_split_ns_max_ranks < 1 or self.muon_split_ns_max_ranks & (self.muon_split_ns_max_ranks - 1):
+            raise ValueError(
+                f"MuonConfig.muon_split_ns_max_ranks must be a power of two >= 1 (1 = no split), "
+                f"got {self.muon_split_ns_max_ranks}."
+            )
         if self.muon_max_inflight_chunks < 1:
             raise ValueError("MuonConfig.muon_max_inflight_chunks must be >= 1.")
         if self.muon_ns_dtype not in (torch.bfloat16, torch.float32, torch.float16):

@@ -175,7 +175,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             dp_ranges[i] = ranges[mp.param]
         plan = build_plan(
             self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel,
-            ns_method=cfg.muon_ns_method,
+            ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
         )
         self._check_plan_agrees(plan)
         my_dp = group.coords[group.rank][1]

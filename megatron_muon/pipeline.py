@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .newton_schulz import newton_schulz
 from .planner import Chunk, Job, Plan, Segment
+from .split_newton_schulz import SplitNewtonSchulz
 
 UpdateFn = Callable[[int, int, int, torch.Tensor], None]
 """``apply(param_index, local_start, local_end, update)`` for one received update piece."""
@@ -107,6 +108,12 @@ class MuonPipeline:
         """Stage events (pipeline name, stage, chunk index), appended in execution order;
         the owner clears the list at the start of each step."""
         self.traffic: Dict[str, int] = defaultdict(int)
+        self.split = (
+            SplitNewtonSchulz(plan, ns_steps, coefficients, ns_dtype, device, self.traffic)
+            if any(j.split for j in plan.jobs)
+            else None
+        )
+        """Runs the plan's split jobs (one matrix over several ranks); None if there are none."""
         self.computed: List[str] = []
         """Names of the matrices this rank orthogonalized in the last step."""
 
@@ -213,11 +220,18 @@ class MuonPipeline:
         """Batched Newton–Schulz per shape, times each job's update scale."""
         self._event("compute", comm)
         self.computed.extend(job.matrix.name for job in comm.owned)
+        outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
+        if self.split is not None:
+            split = self.split.run(comm.chunk.jobs, {job.index: m for job, m in zip(comm.owned, matrices)})
+            for i, job in enumerate(comm.owned):
+                if job.index in split:
+                    outputs[i] = [o * self.scales[job.index] for o in split[job.index]]
         by_shape: Dict[Tuple[int, int], List[Tuple[int, int]]] = defaultdict(list)
         for i, group in enumerate(matrices):
+            if comm.owned[i].split:
+                continue
             for k, m in enumerate(group):
                 by_shape[tuple(m.shape)].append((i, k))
-        outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
         for members in by_shape.values():
             stack = torch.stack([matrices[i][k] for i, k in members])
             ortho = newton_schulz(

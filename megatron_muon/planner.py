@@ -27,6 +27,7 @@ import torch
 
 from .matrices import Block, LogicalMatrix, MuonParam
 from .newton_schulz import newton_schulz_flops
+from .split_newton_schulz import place_split_jobs
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class Job:
     flops: int
     owner: int = -1
     """Rank in the orthogonalization group."""
+    split: Tuple[int, ...] = ()
+    """Group ranks that orthogonalize this matrix together, owner first (split
+    Newton–Schulz, ``megatron_muon.split_newton_schulz``); empty: the owner alone."""
 
     @property
     def numel(self) -> int:
@@ -112,7 +116,7 @@ class Plan:
         """A hash of everything that must agree across the ranks of the group."""
         h = hashlib.sha256()
         for job in self.jobs:
-            h.update(f"{job.matrix.name}|{job.matrix.shape}|{job.owner}|".encode())
+            h.update(f"{job.matrix.name}|{job.matrix.shape}|{job.owner}|{job.split}|".encode())
             for s in job.sources + job.dests:
                 h.update(f"{s.tp},{s.dp},{s.start},{s.end},{s.piece_offset};".encode())
         return h.hexdigest()
@@ -185,8 +189,11 @@ def make_jobs(
     return jobs
 
 
-def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple[List[Chunk], List[int]]:
-    """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free)."""
+def assign_owners(
+    jobs: List[Job], group: OrthoGroup, chunk_numel: int, loads: Optional[List[int]] = None
+) -> Tuple[List[Chunk], List[int]]:
+    """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free).
+    Jobs that already have an owner (split jobs) keep it; ``loads`` is their load per rank."""
     chunks: List[Chunk] = []
     current: List[Job] = []
     size = 0
@@ -199,15 +206,17 @@ def assign_owners(jobs: List[Job], group: OrthoGroup, chunk_numel: int) -> Tuple
     if current:
         chunks.append(Chunk(len(chunks), current))
 
-    loads = [0] * group.size
+    loads = list(loads) if loads is not None else [0] * group.size
     allowed = {
         job.index: [r for r in range(group.size) if job.owner_tp is None or group.coords[r][0] == job.owner_tp]
         for job in jobs
     }
-    order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index))]
+    order = [
+        job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)) if job.owner < 0
+    ]
     # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
     #    at or under the mean load.
-    mean = sum(job.flops for job in jobs) / max(group.size, 1)
+    mean = (sum(loads) + sum(job.flops for job in order)) / max(group.size, 1)
     for job in order:
         held = _held_elements(job, group)
         holder = min(allowed[job.index], key=lambda r: (-held.get(r, 0), loads[r], r))
@@ -241,10 +250,14 @@ def build_plan(
     ns_steps: int,
     chunk_numel: int,
     ns_method: str = "standard",
+    split_max_ranks: int = 1,
 ) -> Plan:
-    """The ownership plan for ``params`` (identical on every rank of ``group``)."""
+    """The ownership plan for ``params`` (identical on every rank of ``group``). Matrices
+    that alone exceed a rank's mean load are split over up to ``split_max_ranks`` ranks
+    (``split_newton_schulz.place_split_jobs``) before the rest are assigned."""
     jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
-    chunks, loads = assign_owners(jobs, group, chunk_numel)
+    loads = place_split_jobs(jobs, group, split_max_ranks, ns_steps)
+    chunks, loads = assign_owners(jobs, group, chunk_numel, loads)
     return Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads)
 
 
@@ -259,6 +272,7 @@ def plan_statistics(plan: Plan) -> Dict[str, object]:
         "matrices_per_rank": counts,
         "ns_flops_per_rank": list(plan.loads),
         "max_job_flops": max((j.flops for j in plan.jobs), default=0),
+        "split_jobs": {j.matrix.name: len(j.split) for j in plan.jobs if j.split},
     }
 
 
