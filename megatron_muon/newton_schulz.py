@@ -306,7 +306,8 @@ def newton_schulz(
             processed with batched matmuls, each matrix normalised by its own norm.
         steps: number of Newton–Schulz iterations (0 returns the normalised input).
         coefficients: a name from :data:`COEFFICIENT_SETS` or a :class:`CoefficientSet`.
-        compute_dtype: dtype of the iteration (bf16 by default; fp32 for exactness).
+        compute_dtype: dtype of the iteration (bf16 by default; fp32 for exactness). Gram
+            NS computes in fp16 for any 16-bit dtype (module docstring).
         eps: added to the Frobenius norm so an all-zero matrix maps to zero, not NaN.
         compiled: run a ``torch.compile``-d kernel (compiled on first use, then cached).
         method: ``"standard"`` (iterate on ``X``), ``"gram"`` (iterate on ``X X^T``;

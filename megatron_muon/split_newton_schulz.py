@@ -162,28 +162,42 @@ class SplitNewtonSchulz:
             results = []
             for k in range(job.matrix.column_groups):
                 G = matrices[job.index][k] if leader else None
-                results.append(self._one(G, job.matrix.ns_shape, tuple(sorted(job.split)), job.split[0]))
+                results.append(self.orthogonalize(G, job.matrix.ns_shape, tuple(sorted(job.split)), job.split[0]))
             if leader:
                 out[job.index] = results
         return out
 
-    def _one(self, G: Optional[torch.Tensor], shape: Tuple[int, int], members: Tuple[int, ...], leader: int) -> Optional[torch.Tensor]:
-        group = self.groups[members]
-        g = len(members)
+    def orthogonalize(
+        self, G: Optional[torch.Tensor], shape: Tuple[int, int], members: Tuple[int, ...], leader: int
+    ) -> Optional[torch.Tensor]:
+        """Newton–Schulz of one ``shape`` matrix by the group ``members`` (sorted group
+        ranks). ``G``: the matrix on the ``leader``, None on the others; returns the result
+        on the leader (``G``'s dtype), None elsewhere."""
+        group, g = self.groups[members], len(members)
         src = members.index(leader)
-        tall = shape[0] > shape[1]
         k, l = min(shape), max(shape)
         width = math.ceil(l / g)
+        X = self._scatter_blocks(G, k, width, g, group, src)
+        X = self._iterate(X, group, g)
+        return self._gather_blocks(X, G, l, g, group, src)
+
+    def _scatter_blocks(self, G, k: int, width: int, g: int, group, src: int) -> torch.Tensor:
+        """Leader: normalise the wide orientation (norm in fp32, as ``newton_schulz``), pad
+        the long side to ``g * width`` with zero columns, send block ``i`` to member ``i``."""
         block = torch.empty(k, width, dtype=self.ns_dtype, device=self.device if G is None else G.device)
         blocks = None
         if G is not None:
-            X = (G.mT if tall else G).float()
+            X = (G.mT if G.size(0) > G.size(1) else G).float()
             X = (X / (torch.linalg.matrix_norm(X) + self.eps)).to(self.ns_dtype)
-            X = torch.nn.functional.pad(X, (0, width * g - l))
+            X = torch.nn.functional.pad(X, (0, width * g - X.size(1)))
             blocks = [b.contiguous() for b in X.split(width, dim=1)]
             self.traffic["split_scatter"] += (g - 1) * block.numel() * block.element_size()
         dist.scatter(block, blocks, group=group, group_src=src)
-        X = block
+        return block
+
+    def _iterate(self, X: torch.Tensor, group, g: int) -> torch.Tensor:
+        """The steps on this member's block: ``A = sum over members of X_i X_i^T`` (one fp32
+        all-reduce), then ``X_i <- a X_i + (b A + c A A) X_i``."""
         for a, b, c in self.schedule:
             A = (X @ X.mT).float()
             dist.all_reduce(A, group=group)
@@ -191,6 +205,11 @@ class SplitNewtonSchulz:
             A = A.to(self.ns_dtype)
             B = torch.addmm(A, A, A, beta=b, alpha=c)
             X = torch.addmm(X, B, X, beta=a)
+        return X
+
+    def _gather_blocks(self, X: torch.Tensor, G, l: int, g: int, group, src: int) -> Optional[torch.Tensor]:
+        """Every member sends its block to the leader, which drops the padding and undoes
+        the transpose."""
         gathered = [torch.empty_like(X) for _ in range(g)] if G is not None else None
         if G is None:
             self.traffic["split_gather"] += X.numel() * X.element_size()
@@ -198,4 +217,4 @@ class SplitNewtonSchulz:
         if G is None:
             return None
         X = torch.cat(gathered, dim=1)[:, :l]
-        return (X.mT if tall else X).to(G.dtype)
+        return (X.mT if G.size(0) > G.size(1) else X).to(G.dtype)

@@ -224,7 +224,7 @@ def _split_runs():
         plan = SimpleNamespace(group=SimpleNamespace(rank=rank, group=dist.group.WORLD),
                                jobs=[SimpleNamespace(split=members)])
         split = SplitNewtonSchulz(plan, 5, "polar_express", torch.float32)
-        result = split._one(G if rank == members[0] else None, shape, tuple(sorted(members)), members[0])
+        result = split.orthogonalize(G if rank == members[0] else None, shape, tuple(sorted(members)), members[0])
         if rank == members[0]:
             exact = newton_schulz(G, 5, "polar_express", torch.float32)
             errors[f"{len(members)} ranks {shape}"] = ((result - exact).abs().max() / exact.abs().max()).item()
