@@ -9,7 +9,9 @@ For every chunk of the plan, on every rank of the orthogonalization group:
    TP rank's piece from the DP ranks' byte ranges, then the TP pieces along the
    partition dim.
 3. **compute** – Newton–Schulz on the owned matrices, same shapes stacked into one
-   batched call, times each matrix's update scale.
+   batched call, times each matrix's update scale; a matrix the plan split over several
+   ranks is orthogonalized by its split group first (``split_newton_schulz``: its owner
+   scatters column blocks, the group all-reduces the Gram matrix each step).
 4. **launch scatter** – cut every result back into the pieces the holders need, start
    the reverse ``all_to_all_single``.
 5. **complete scatter** – wait for this rank's update pieces.
@@ -217,7 +219,8 @@ class MuonPipeline:
         return [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)]
 
     def compute(self, comm: _ChunkComm, matrices: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
-        """Batched Newton–Schulz per shape, times each job's update scale."""
+        """Split jobs with their groups, then batched Newton–Schulz per shape; times each
+        job's update scale."""
         self._event("compute", comm)
         self.computed.extend(job.matrix.name for job in comm.owned)
         outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
