@@ -17,6 +17,7 @@ from megatron.core.optimizer import OptimizerConfig
 
 TP_MODES = ("exact", "blockwise", "duplicated")
 BUFFER_LAYOUTS = ("owner", "megatron")
+NS_METHODS = ("standard", "gram", "auto")
 SCALE_MODES = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
 QKV_SPLITS = ("part", "group", "head")
 MLA_SPLITS = ("none", "part", "head")
@@ -47,8 +48,11 @@ class MuonConfig(OptimizerConfig):
     muon_coefficient_type: str = "quintic"
     """Newton–Schulz coefficients: 'quintic' (Keller Jordan's 3.4445, -4.7750, 2.0315 at
     every step; Megatron calls this set 'simple'), 'polar_express' (Amsel et al. 2025,
-    one polynomial per step) or 'megatron_quintic' (the per-step schedule Megatron-core
-    calls 'quintic'). See ``megatron_muon.newton_schulz.COEFFICIENT_SETS``."""
+    one polynomial per step), 'megatron_quintic' (the per-step schedule Megatron-core
+    calls 'quintic'), 'deepseek_v4' (DeepSeek-V4's hybrid: 8 quintic steps, then 2 of
+    (2, -1.5, 0.5); use 10 steps), 'cans' (Grishina et al. 2025, Chebyshev-type) or
+    'aol' (Turbo-Muon's set; 4 steps). Past the end of a schedule its last triple
+    repeats. See ``megatron_muon.newton_schulz.COEFFICIENT_SETS``."""
 
     muon_scale_mode: str = "moonlight"
     """Update scale from the logical matrix's full shape (m, n): 'moonlight' =
@@ -62,8 +66,17 @@ class MuonConfig(OptimizerConfig):
     muon_ns_dtype: torch.dtype = torch.bfloat16
     """Compute dtype of Newton–Schulz (bf16 by default; fp32 for exactness checks)."""
 
+    muon_ns_method: str = "standard"
+    """Newton–Schulz iteration: 'standard' (on the matrix X), 'gram' (on the small Gram
+    matrix X X^T, restarted midway; fewer FLOPs for wide matrices; with a 16-bit
+    ``muon_ns_dtype`` it computes in fp16, whose range its bounded values fit and whose
+    precision keeps it as close to fp32 as bf16 standard NS) or 'auto' (Gram for
+    matrices with aspect ratio >= ``newton_schulz.GRAM_MIN_ASPECT``, standard
+    otherwise). See ``megatron_muon.newton_schulz``."""
+
     muon_use_torch_compile: bool = False
-    """Compile the Newton–Schulz kernel with ``torch.compile`` (GPU only by default)."""
+    """Run the Newton–Schulz kernel through ``torch.compile`` (compiled on first use per
+    shape; pays off on GPUs, see docs/benchmarks.md)."""
 
     muon_variance_reduction: Optional[float] = None
     """nanochat's variance reduction (NorMuon), with this beta2; None (default) = off. After
@@ -91,6 +104,12 @@ class MuonConfig(OptimizerConfig):
     tensor-parallel shard is orthogonalized on its own (Megatron's default, an
     approximation). 'duplicated': every tensor-parallel rank orthogonalizes the whole
     matrix for itself (exact, TP-times the work)."""
+
+    muon_split_ns_max_ranks: int = 8
+    """Split Newton–Schulz: a matrix whose NS cost alone exceeds a rank's mean load is
+    orthogonalized by an aligned block of up to this many ranks (a power of two; keep it
+    within a node), its columns split and its Gram matrix all-reduced each step
+    (``megatron_muon.split_newton_schulz``). 1 turns splitting off."""
 
     muon_comm_dtype: Optional[torch.dtype] = None
     """Dtype of the momentum and update pieces on the wire. None (default): the Newton–Schulz
@@ -162,11 +181,11 @@ class MuonConfig(OptimizerConfig):
         for problem in config_problems(self):
             raise ValueError(f"MuonConfig.{problem}")
 
-
     @property
     def comm_dtype(self) -> torch.dtype:
         """The dtype Muon's pieces travel in: ``muon_comm_dtype``, or ``muon_ns_dtype`` if None."""
         return self.muon_comm_dtype if self.muon_comm_dtype is not None else self.muon_ns_dtype
+
 
 def _bad_number(value, minimum: float, strict: bool, integer: bool = False) -> bool:
     """True unless ``value`` is a finite number >= ``minimum`` (> with ``strict``)."""
@@ -187,6 +206,7 @@ def config_problems(cfg: MuonConfig):
     """
     choices = [
         ("muon_tp_mode", cfg.muon_tp_mode, TP_MODES),
+        ("muon_ns_method", cfg.muon_ns_method, NS_METHODS),
         ("muon_scale_mode", cfg.muon_scale_mode, SCALE_MODES),
         ("muon_qkv_split", cfg.muon_qkv_split, QKV_SPLITS),
         ("muon_split_mla", cfg.muon_split_mla, MLA_SPLITS),
@@ -224,6 +244,9 @@ def config_problems(cfg: MuonConfig):
             yield f"{name}={value!r} is invalid; use a finite number {'>' if name == 'loss_scale' else '>='} 0 (or None)."
     if not (isinstance(cfg.muon_momentum, (int, float)) and 0.0 <= cfg.muon_momentum < 1.0):
         yield f"muon_momentum={cfg.muon_momentum!r} is invalid; use a number in [0, 1)."
+    split = cfg.muon_split_ns_max_ranks
+    if isinstance(split, bool) or not isinstance(split, int) or split < 1 or split & (split - 1):
+        yield f"muon_split_ns_max_ranks={split!r} is invalid; use a power of two >= 1 (1 = no split)."
     vr = cfg.muon_variance_reduction
     if vr is not None and (isinstance(vr, bool) or not isinstance(vr, (int, float)) or not 0.0 <= vr < 1.0):
         yield f"muon_variance_reduction={vr!r} is invalid; use beta2 in [0, 1), or None (off)."

@@ -202,6 +202,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         plan = build_plan(
             self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel,
             holders_only=self.owner_layout,
+            ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
         )
         self._check_plan_agrees(plan)
         my_dp = group.coords[group.rank][1]
@@ -220,6 +221,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             device,
             name=self.name,
             events=self.events,
+            ns_method=cfg.muon_ns_method,
+            compiled=cfg.muon_use_torch_compile,
         )
         return plan, pipeline
 

@@ -9,7 +9,9 @@ For every chunk of the plan, on every rank of the orthogonalization group:
    TP rank's piece from the DP ranks' byte ranges, then the TP pieces along the
    partition dim.
 3. **compute** – Newton–Schulz on the owned matrices, same shapes stacked into one
-   batched call, times each matrix's update scale.
+   batched call, times each matrix's update scale; a matrix the plan split over several
+   ranks is orthogonalized by its split group first (``split_newton_schulz``: its owner
+   scatters column blocks, the group all-reduces the Gram matrix each step).
 4. **launch scatter** – cut every result back into the pieces the holders need, start
    the reverse ``all_to_all_single``.
 5. **complete scatter** – wait for this rank's update pieces.
@@ -38,6 +40,7 @@ import torch.distributed as dist
 
 from .newton_schulz import newton_schulz
 from .planner import Chunk, Job, Plan, Segment
+from .split_newton_schulz import SplitNewtonSchulz
 
 UpdateFn = Callable[[int, int, int, torch.Tensor], None]
 """``apply(param_index, local_start, local_end, update)`` for one received update piece."""
@@ -96,9 +99,12 @@ class MuonPipeline:
         device: Optional[torch.device] = None,
         name: str = "dense",
         events: Optional[List[Tuple[str, str, int]]] = None,
+        ns_method: str = "standard",
+        compiled: bool = False,
     ) -> None:
         """``local_starts[p]``: where this rank's shard of param ``p`` starts in the param's
-        flat storage. ``scales[j]``: update scale of job ``j``."""
+        flat storage. ``scales[j]``: update scale of job ``j``. ``ns_method`` and
+        ``compiled`` go to every :func:`newton_schulz` call."""
         self.plan = plan
         self.group = plan.group
         self.local_starts = list(local_starts)
@@ -106,6 +112,8 @@ class MuonPipeline:
         self.ns_steps = ns_steps
         self.coefficients = coefficients
         self.ns_dtype = ns_dtype
+        self.ns_method = ns_method
+        self.compiled = compiled
         self.comm_dtype = comm_dtype
         self.max_inflight = max_inflight
         self.device = device
@@ -115,6 +123,12 @@ class MuonPipeline:
         """Stage events (pipeline name, stage, chunk index), appended in execution order;
         the owner clears the list at the start of each step."""
         self.traffic: Dict[str, int] = defaultdict(int)
+        self.split = (
+            SplitNewtonSchulz(plan, ns_steps, coefficients, ns_dtype, device, self.traffic)
+            if any(j.split for j in plan.jobs)
+            else None
+        )
+        """Runs the plan's split jobs (one matrix over several ranks); None if there are none."""
         self.computed: List[str] = []
         """Names of the matrices this rank orthogonalized in the last step."""
         self.after_newton_schulz: Optional[AfterNewtonSchulz] = None
@@ -224,17 +238,30 @@ class MuonPipeline:
         return [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)]
 
     def compute(self, comm: _ChunkComm, matrices: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
-        """Batched Newton–Schulz per shape, times each job's update scale."""
+        """Split jobs with their groups, then batched Newton–Schulz per shape; times each
+        job's update scale."""
         self._event("compute", comm)
         self.computed.extend(job.matrix.name for job in comm.owned)
+        outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
+        if self.split is not None:
+            split = self.split.run(comm.chunk.jobs, {job.index: m for job, m in zip(comm.owned, matrices)})
+            for i, job in enumerate(comm.owned):
+                if job.index in split:
+                    outs = split[job.index]
+                    if self.after_newton_schulz is not None:
+                        outs = [self.after_newton_schulz([(job, k)], o.unsqueeze(0))[0] for k, o in enumerate(outs)]
+                    outputs[i] = [o * self.scales[job.index] for o in outs]
         by_shape: Dict[Tuple[int, int], List[Tuple[int, int]]] = defaultdict(list)
         for i, group in enumerate(matrices):
+            if comm.owned[i].split:
+                continue
             for k, m in enumerate(group):
                 by_shape[tuple(m.shape)].append((i, k))
-        outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
         for members in by_shape.values():
             stack = torch.stack([matrices[i][k] for i, k in members])
-            ortho = newton_schulz(stack, self.ns_steps, self.coefficients, self.ns_dtype)
+            ortho = newton_schulz(
+                stack, self.ns_steps, self.coefficients, self.ns_dtype, compiled=self.compiled, method=self.ns_method
+            )
             if self.after_newton_schulz is not None:
                 ortho = self.after_newton_schulz([(comm.owned[i], k) for i, k in members], ortho)
             scales = [self.scales[comm.owned[i].index] for i, _ in members]

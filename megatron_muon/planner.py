@@ -27,6 +27,7 @@ import torch
 
 from .matrices import Block, LogicalMatrix, MuonParam
 from .newton_schulz import newton_schulz_flops
+from .split_newton_schulz import place_split_jobs
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ class Job:
     flops: int
     owner: int = -1
     """Rank in the orthogonalization group."""
+    split: Tuple[int, ...] = ()
+    """Group ranks that orthogonalize this matrix together, owner first (split
+    Newton–Schulz, ``megatron_muon.split_newton_schulz``); empty: the owner alone."""
 
     @property
     def numel(self) -> int:
@@ -112,7 +116,7 @@ class Plan:
         """A hash of everything that must agree across the ranks of the group."""
         h = hashlib.sha256()
         for job in self.jobs:
-            h.update(f"{job.matrix.name}|{job.matrix.shape}|{job.owner}|".encode())
+            h.update(f"{job.matrix.name}|{job.matrix.shape}|{job.owner}|{job.split}|".encode())
             for s in job.sources + job.dests:
                 h.update(f"{s.tp},{s.dp},{s.start},{s.end},{s.piece_offset};".encode())
         return h.hexdigest()
@@ -141,9 +145,11 @@ def make_jobs(
     tp_size: int,
     tp_mode: str,
     ns_steps: int,
+    ns_method: str = "standard",
 ) -> List[Job]:
     """One job per logical matrix (exact), per TP piece (blockwise) or per TP rank that
-    needs the whole matrix (duplicated)."""
+    needs the whole matrix (duplicated). ``flops`` counts the iteration ``ns_method``
+    runs on the job's shape."""
     jobs: List[Job] = []
     all_tps = list(range(tp_size))
 
@@ -158,7 +164,7 @@ def make_jobs(
                 sources=segments(matrix, ranges, src_tps),
                 dests=segments(matrix, ranges, dst_tps),
                 owner_tp=owner_tp,
-                flops=newton_schulz_flops(rows, cols, ns_steps, batch=matrix.column_groups),
+                flops=newton_schulz_flops(rows, cols, ns_steps, batch=matrix.column_groups, method=ns_method),
             )
         )
 
@@ -184,9 +190,14 @@ def make_jobs(
 
 
 def assign_owners(
-    jobs: List[Job], group: OrthoGroup, chunk_numel: int, holders_only: bool = False
+    jobs: List[Job],
+    group: OrthoGroup,
+    chunk_numel: int,
+    holders_only: bool = False,
+    loads: Optional[List[int]] = None,
 ) -> Tuple[List[Chunk], List[int]]:
     """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free).
+    Jobs that already have an owner (split jobs) keep it; ``loads`` is their load per rank.
 
     ``holders_only`` (owner-aligned buffers): a job may only go to a rank at a DP index that
     holds some of its matrix, so no piece crosses DP unless the matrix itself straddles DP
@@ -203,7 +214,8 @@ def assign_owners(
     if current:
         chunks.append(Chunk(len(chunks), current))
 
-    loads = [0] * group.size
+    loads = list(loads) if loads is not None else [0] * group.size
+
     def may_own(job: Job, r: int) -> bool:
         tp, dp = group.coords[r]
         if job.owner_tp is not None and tp != job.owner_tp:
@@ -211,10 +223,12 @@ def assign_owners(
         return not holders_only or any(seg.dp == dp for seg in job.sources + job.dests)
 
     allowed = {job.index: [r for r in range(group.size) if may_own(job, r)] for job in jobs}
-    order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index))]
+    order = [
+        job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)) if job.owner < 0
+    ]
     # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
     #    at or under the mean load.
-    mean = sum(job.flops for job in jobs) / max(group.size, 1)
+    mean = (sum(loads) + sum(job.flops for job in order)) / max(group.size, 1)
     for job in order:
         held = _held_elements(job, group)
         holder = min(allowed[job.index], key=lambda r: (-held.get(r, 0), loads[r], r))
@@ -248,11 +262,16 @@ def build_plan(
     ns_steps: int,
     chunk_numel: int,
     holders_only: bool = False,
+    ns_method: str = "standard",
+    split_max_ranks: int = 1,
 ) -> Plan:
-    """The ownership plan for ``params`` (identical on every rank of ``group``);
+    """The ownership plan for ``params`` (identical on every rank of ``group``). Matrices
+    that alone exceed a rank's mean load are split over up to ``split_max_ranks`` ranks
+    (``split_newton_schulz.place_split_jobs``) before the rest are assigned;
     ``holders_only``: see :func:`assign_owners`."""
-    jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps)
-    chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only)
+    jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
+    loads = place_split_jobs(jobs, group, split_max_ranks, ns_steps)
+    chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only, loads)
     return Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads)
 
 
@@ -267,6 +286,7 @@ def plan_statistics(plan: Plan) -> Dict[str, object]:
         "matrices_per_rank": counts,
         "ns_flops_per_rank": list(plan.loads),
         "max_job_flops": max((j.flops for j in plan.jobs), default=0),
+        "split_jobs": {j.matrix.name: len(j.split) for j in plan.jobs if j.split},
     }
 
 

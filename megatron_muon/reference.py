@@ -28,7 +28,7 @@ One ``ReferenceMuon.step()``, all fp32 on full tensors:
    split) and ``weight2.view(E, -1, h)[e].T`` (``(h, ffn)``); anything else is one matrix.
 4. Muon per parameter: ``buf = mu * buf + g``; ``u = g + mu * buf`` (Nesterov) or
    ``buf``; each logical matrix ``M`` (logical ``(out, in)`` orientation) of ``u`` is
-   replaced by ``newton_schulz(M) * update_scale(config, out, in)``; then
+   replaced by ``orthogonalize(M) * update_scale(config, out, in)``; then
    ``p *= 1 - lr * wd``; ``p -= lr * update``.
    With ``muon_variance_reduction = beta2`` (nanochat / NorMuon), ``newton_schulz(M)`` =
    ``O`` is first reweighted: per row of ``O`` if ``out >= in`` (else per column), the
@@ -57,7 +57,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .config import MuonConfig, update_scale
-from .newton_schulz import newton_schulz
+from .newton_schulz import COEFFICIENT_SETS
 
 
 class LogicalMatrix(NamedTuple):
@@ -166,6 +166,25 @@ def normuon(o: torch.Tensor, moment: Optional[torch.Tensor], beta2: float) -> Tu
     return scaled * (o.norm() / scaled.norm().clamp(min=1e-10)), moment
 
 
+def orthogonalize(m: torch.Tensor, config: MuonConfig) -> torch.Tensor:
+    """Newton–Schulz of one 2-D matrix, written independently of
+    ``megatron_muon.newton_schulz`` (only the coefficient table is shared) so that the
+    exactness tests compare two implementations: whatever ``muon_ns_method`` the optimizer
+    uses (standard, Gram, split over ranks), this iterates ``X <- a X + b (X X^T) X +
+    c (X X^T)^2 X`` on the Frobenius-normalised wide orientation, one plain product at a
+    time, in ``muon_ns_dtype``."""
+    wide = m.T if m.shape[0] > m.shape[1] else m
+    x = wide.float() / (wide.float().norm() + 1e-7)
+    x = x.to(config.muon_ns_dtype)
+    coefficients = COEFFICIENT_SETS[config.muon_coefficient_type]
+    for step in range(config.muon_num_ns_steps):
+        a, b, c = coefficients.for_step(step)
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    x = x.to(m.dtype)
+    return x.T if m.shape[0] > m.shape[1] else x
+
+
 def orthogonalized_update(
     u: torch.Tensor, matrices: List[LogicalMatrix], config: MuonConfig, moments: Optional[list] = None
 ) -> torch.Tensor:
@@ -174,10 +193,7 @@ def orthogonalized_update(
     out = torch.empty_like(u)
     for i, lm in enumerate(matrices):
         m = lm.read(u)
-        o = newton_schulz(
-            m, steps=config.muon_num_ns_steps, coefficients=config.muon_coefficient_type,
-            compute_dtype=config.muon_ns_dtype,
-        )
+        o = orthogonalize(m, config)
         if config.muon_variance_reduction is not None:
             o, moments[i] = normuon(o.float(), moments[i], config.muon_variance_reduction)
         lm.write(out, o * update_scale(config, m.shape[0], m.shape[1]))

@@ -78,6 +78,8 @@ def synthetic_plan(
         config.muon_tp_mode,
         config.muon_num_ns_steps,
         config.muon_chunk_numel,
+        ns_method=config.muon_ns_method,
+        split_max_ranks=config.muon_split_ns_max_ranks,
     )
 
 

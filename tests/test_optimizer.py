@@ -123,6 +123,8 @@ EXTRA = {
     "chunks": dict(muon_chunk_numel=3000, muon_max_inflight_chunks=2),
     # Megatron's byte-level DDP layout (the other variants use the owner-aligned default).
     "megatron": dict(muon_buffer_layout="megatron"),
+    # Gram Newton–Schulz against the reference's own (standard) iteration.
+    "gram": dict(muon_ns_method="gram"),
 }
 # Same numbers with DDP overlapping the grad reduce-scatter and param all-gather, in small
 # buckets (so parameters straddle bucket and shard boundaries).
@@ -193,3 +195,65 @@ def test_equals_single_process_reference(request, references, world, layout, mod
         loads = stats["ns_flops_per_rank"]
         share = sum(loads) / len(loads)
         assert max(abs(load - share) for load in loads) <= stats["max_job_flops"]
+
+
+# One layer with a wide MLP on 4 ranks: fc1 (1024 x 64) and fc2 (64 x 512) each cost more
+# than a rank's mean Newton–Schulz load, so the plan splits fc1 over 4 ranks and fc2 over 2.
+SPLIT_MODEL = dict(kind="gqa", num_layers=1, ffn_hidden_size=512)
+SPLIT_VARIANTS = {"fp32": {}, "unsplit": dict(muon_split_ns_max_ranks=1), "bf16": BF16_NS}
+
+
+def _split_runs():
+    """The optimizer with and without split NS, plus split_newton_schulz's kernel on its
+    own against newton_schulz (fp32) for groups of 2 and 4 ranks and a tall matrix."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_muon.newton_schulz import newton_schulz
+    from megatron_muon.split_newton_schulz import SplitNewtonSchulz
+
+    out = train(SPLIT_MODEL, SPLIT_VARIANTS)
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(3)
+    errors = {}
+    for members, shape in (((0, 1), (24, 90)), ((0, 1, 2, 3), (90, 24)), ((2, 3, 0, 1), (33, 101))):
+        G = torch.randn(*shape, generator=g)
+        if rank not in members:
+            continue
+        # The two things SplitNewtonSchulz reads from a plan: this rank and the split jobs.
+        plan = SimpleNamespace(group=SimpleNamespace(rank=rank, group=dist.group.WORLD),
+                               jobs=[SimpleNamespace(split=members)])
+        split = SplitNewtonSchulz(plan, 5, "polar_express", torch.float32)
+        result = split.orthogonalize(G if rank == members[0] else None, shape, tuple(sorted(members)), members[0])
+        if rank == members[0]:
+            exact = newton_schulz(G, 5, "polar_express", torch.float32)
+            errors[f"{len(members)} ranks {shape}"] = ((result - exact).abs().max() / exact.abs().max()).item()
+    out["kernel_errors"] = errors
+    return out
+
+
+@pytest.mark.timeout(600)
+def test_split_newton_schulz_equals_reference_and_unsplit():
+    results = run_distributed(_split_runs, 4, timeout_s=500)
+    ref = run_distributed(reference, 1, SPLIT_MODEL, {"fp32": {}, "bf16": BF16_NS}, timeout_s=300)[0]
+    stats = results[0]["fp32"]["stats"][0]
+    assert stats["split_jobs"] == {
+        "decoder.layers.0.mlp.linear_fc1.weight": 4, "decoder.layers.0.mlp.linear_fc2.weight": 2}, stats
+    assert results[0]["unsplit"]["stats"][0]["split_jobs"] == {}
+    errors = {k: v for r in results for k, v in r["kernel_errors"].items()}
+    assert len(errors) == 3 and max(errors.values()) < 1e-5, errors
+    for name, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
+        full = M.merge_canonical_states([r[name]["state"] for r in results])
+        err, key = max_rel_err(full, M.merge_canonical_states([ref[name][1]]), "fro")
+        assert err <= tol, f"{name}: {key} differs from the reference by {err:.2e}"
+    split = M.merge_canonical_states([r["fp32"]["state"] for r in results])
+    unsplit = M.merge_canonical_states([r["unsplit"]["state"] for r in results])
+    mlp = {k: v for k, v in unsplit.items() if "linear_fc" in k}
+    err, key = max_rel_err(split, mlp, "max")
+    assert err <= 1e-5, f"split vs unsplit: {key} differs by {err:.2e}"
+    # Every matrix computed once (by its owner; a split one by its leader).
+    computed = [n for r in results for n in r["fp32"]["computed"]]
+    assert len(computed) == len(set(computed)) == stats["matrices"]
+    sent = {k: sum(r["fp32"]["traffic"].get(k, 0) for r in results) for k in ("split_scatter", "split_all_reduce")}
+    assert all(v > 0 for v in sent.values()), sent

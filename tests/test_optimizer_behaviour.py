@@ -277,6 +277,7 @@ def test_config_errors():
         ("muon_scale_mode", "rms"),
         ("muon_qkv_split", "token"),
         ("muon_coefficient_type", "cubic"),
+        ("muon_ns_method", "fast"),
         ("muon_ns_dtype", torch.int8),
     ]:
         with pytest.raises(ValueError, match=field):
@@ -313,3 +314,75 @@ def test_error_messages():
     assert "DistributedDataParallel" in messages["no_ddp"]
     assert "use_distributed_optimizer=True" in messages["no_distopt"]
     assert "linear_qkv.weight" in messages["shape"] and "num_query_groups=1" in messages["shape"]
+
+
+def _ns_options_reach_the_kernel():
+    """Train one step with compile and Gram on; record which kernels the step asked for.
+    ``_compiled_kernel`` is replaced by a recorder returning the eager kernel, so this
+    checks the wiring in seconds (the real compile is tested in test_newton_schulz.py)."""
+    from megatron_muon import newton_schulz as ns
+
+    asked = []
+
+    def recorder(method):
+        asked.append(method)
+        return ns._KERNELS[method]
+
+    ns._compiled_kernel = recorder
+    spec = DENSE
+    chunks, model, opt, sched = build(spec, muon_use_torch_compile=True, muon_ns_method="gram")
+    loss, ok = M.train_step(model, opt, M.synthetic_batches(spec, GBS, 1)[0], MBS, spec)
+    eager = []
+    chunks, model, opt, sched = build(spec, muon_ns_method="auto")
+    ns._KERNELS = {k: (lambda f, k=k: (lambda *a: eager.append(k) or f(*a)))(f) for k, f in ns._KERNELS.items()}
+    M.train_step(model, opt, M.synthetic_batches(spec, GBS, 1)[0], MBS, spec)
+    shapes = [job.matrix.ns_shape for o in opt.muon_optimizers for job in o.plan.jobs]
+    return dict(ok=ok, asked=asked, eager=eager, shapes=shapes)
+
+
+def test_compile_flag_and_ns_method_reach_newton_schulz():
+    from megatron_muon.newton_schulz import choose_method
+
+    out = run_distributed(_ns_options_reach_the_kernel, 1)[0]
+    assert out["ok"] and out["asked"] and set(out["asked"]) == {"gram"}
+    # 'auto': uncompiled, and per shape as choose_method says.
+    assert set(out["eager"]) == {choose_method(*shape) for shape in out["shapes"]}
+
+
+def test_plan_splits_the_matrix_that_bounds_the_step():
+    # One wide MLP (fc1 4096 x 256, fc2 256 x 2048) and a few small matrices on 16 DP ranks:
+    # fc1 and fc2 alone exceed a rank's mean load, so each goes to an aligned block of ranks.
+    from types import SimpleNamespace
+
+    from megatron_muon import MuonConfig
+    from megatron_muon.planner import plan_statistics
+    from megatron_muon.split_newton_schulz import member_flops
+    from megatron_muon.synthetic import ParamShape, synthetic_plan
+
+    shapes = [ParamShape("fc1", (4096, 256), parent_attr="linear_fc1"),
+              ParamShape("fc2", (256, 2048), parent_attr="linear_fc2")]
+    shapes += [ParamShape(f"proj{i}", (256, 256), parent_attr="linear_proj") for i in range(6)]
+    model = SimpleNamespace(gated_linear_unit=False, hidden_size=256)
+
+    def plan(**cfg):
+        return synthetic_plan(shapes, model, MuonConfig(lr=1e-3, **cfg), 1, 16)
+
+    unsplit, split = plan_statistics(plan(muon_split_ns_max_ranks=1)), plan(muon_split_ns_max_ranks=8)
+    stats = plan_statistics(split)
+    mean = sum(unsplit["ns_flops_per_rank"]) / 16
+    # fc2 needs 8 ranks to get under the mean; fc1 would need 16, capped at 8.
+    assert stats["split_jobs"] == {"fc1": 8, "fc2": 8}, stats["split_jobs"]
+    assert plan_statistics(plan(muon_split_ns_max_ranks=2))["split_jobs"] == {"fc1": 2, "fc2": 2}
+    for job in split.jobs:
+        if job.split:
+            members = sorted(job.split)
+            g = len(members)
+            assert members == list(range(members[0], members[0] + g)) and members[0] % g == 0
+            assert job.owner == job.split[0] and job.flops == member_flops(*job.matrix.ns_shape, 5, g)
+            # The smallest power of two that brings the per-member cost under the mean, or the cap.
+            assert (job.flops <= mean or g == 8) and mean < member_flops(*job.matrix.ns_shape, 5, g // 2)
+    loads = stats["ns_flops_per_rank"]
+    assert max(loads) <= 0.5 * max(unsplit["ns_flops_per_rank"])
+    assert max(loads) / (sum(loads) / len(loads)) <= 1.5
+    with pytest.raises(ValueError, match="muon_split_ns_max_ranks"):
+        MuonConfig(lr=1e-3, muon_split_ns_max_ranks=3)

@@ -141,12 +141,13 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
 @pytest.mark.parametrize("argv, says", [
     (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
     (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
-    (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum must be in [0, 1)"),
+    (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
 ])
 def test_bad_input_one_line_exit_2_before_any_model(argv, says):
     proc = launch(PRETRAIN + argv, timeout=120)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("pretrain_gpt.py: error: ") and says in last, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("pretrain_gpt.py: error: ") and says in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and BUILT not in proc.stdout
 
 

@@ -15,14 +15,24 @@ the arguments with our layer spec (:func:`megatron_muon.layer_specs.megatron_lm_
 """
 
 import argparse
+import logging
 import sys
+import warnings
 from functools import partial
 from typing import List, Optional, Sequence
 
 import torch
 
-from megatron_muon.megatron_lm import corpus
-from megatron_muon.megatron_lm.launch import prepare
+if not torch.cuda.is_available():
+    # Megatron-core announces at import that transformer-engine / Apex are absent; expected
+    # without a GPU, and it would bury a one-line argument error (megatron_lm.cpu quiets the
+    # same notices for modules imported later).
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex are|Apex is) not installed")
+    warnings.filterwarnings("ignore", message=".*transformer-engine>=1.7.0 supports MoE experts")
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+
+from megatron_muon.megatron_lm import corpus  # noqa: E402
+from megatron_muon.megatron_lm.launch import prepare  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------

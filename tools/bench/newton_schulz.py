@@ -5,8 +5,8 @@ Implementations (5 steps of Keller Jordan's quintic (3.4445, -4.7750, 2.0315) in
 all of them, fp32 input as the optimizers hand it over, output back in the input dtype):
 
 * ``megatron_muon``: ``megatron_muon.newton_schulz.newton_schulz`` (stacks batched);
-  ``megatron_muon compiled``: the same with ``compiled=True`` (GPU runs only, or
-  ``--compile``);
+  ``megatron_muon gram``: the same with ``method="gram"`` (Gram Newton–Schulz, fp16
+  inside); ``megatron_muon compiled``: ``compiled=True`` (GPU runs only, or ``--compile``);
 * ``torch.optim.Muon``: torch's own iteration, ``torch.optim._muon._zeropower_via_newtonschulz``
   (the internal function ``torch.optim.Muon.step`` calls for every parameter; 2-D only,
   so a stack is looped);
@@ -25,8 +25,16 @@ matmul rate measured on this machine (a square GEMM, one thread like the rest of
 run), labelled as measured.
 
 Shapes: real model matrices (Llama-3 8B's 4096x4096 and 4096x14336, a stack of 64
-DeepSeek-V3-style experts 2048x7168) on a GPU; ``--quick`` (the CPU default) divides every
-side by 16 and the expert count by 8, since the real shapes take minutes per call on a CPU.
+DeepSeek-V3-style experts 2048x7168, DeepSeek-V3's dense fc1 7168x36864 and MLA query
+up-projection 1536x24576) on a GPU; ``--quick`` (the CPU default) divides every side by 16
+and the expert count by 8, since the real shapes take minutes per call on a CPU (plus a
+256x1024, aspect ratio exactly 4).
+
+A second table puts Gram NS next to standard NS per shape: counted FLOPs
+(``newton_schulz_flops(method=...)``), the ratio of the median call times (the two take
+turns call by call) and each one's distance to fp32 standard NS, on a gaussian input and
+on an ill-conditioned one (singular values log-spaced over four decades, like a momentum
+matrix of low effective rank).
 """
 
 from __future__ import annotations
@@ -44,8 +52,11 @@ if __name__ == "__main__":
 from tools.bench import common
 
 # (label, batch, rows, cols)
-FULL_SHAPES = [("4096x4096", 1, 4096, 4096), ("4096x14336", 1, 4096, 14336), ("64 x 2048x7168 (experts)", 64, 2048, 7168)]
-QUICK_SHAPES = [("256x256", 1, 256, 256), ("256x896", 1, 256, 896), ("8 x 128x448 (experts)", 8, 128, 448)]
+FULL_SHAPES = [("4096x4096", 1, 4096, 4096), ("4096x14336", 1, 4096, 14336), ("64 x 2048x7168 (experts)", 64, 2048, 7168),
+               ("7168x36864 (DeepSeek-V3 fc1)", 1, 7168, 36864), ("1536x24576 (MLA q up)", 1, 1536, 24576)]
+QUICK_SHAPES = [("256x256", 1, 256, 256), ("256x896", 1, 256, 896), ("8 x 128x448 (experts)", 8, 128, 448),
+                ("256x1024", 1, 256, 1024), ("448x2304 (DeepSeek-V3 fc1)", 1, 448, 2304),
+                ("96x1536 (MLA q up)", 1, 96, 1536)]
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, by torch.cuda.get_device_name().
 PEAKS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4), ("A100", 312.0)]
@@ -97,10 +108,15 @@ def implementations(device: str, compile_ours: bool) -> Dict[str, Tuple[Optional
 
     impls: Dict[str, Tuple[Optional[Callable], str]] = {
         "megatron_muon": (lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16), "batched"),
+        "megatron_muon gram": (lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, method="gram"),
+                               "Gram NS, fp16 inside, restart after 3 steps"),
     }
     if compile_ours:
         impls["megatron_muon compiled"] = (
             lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, compiled=True), "batched, torch.compile")
+        impls["megatron_muon gram compiled"] = (
+            lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, compiled=True, method="gram"),
+            "Gram NS, torch.compile")
     try:
         from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -188,12 +204,52 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
             rows.append(row)
         del x, reference
     key = "best_ms" if stat == "best" else "ms"
+    gram = gram_rows(rows, shapes, device, gen)
     ours = {r["shape"]: r[key] for r in rows if r["impl"] == "megatron_muon"}
     for r in rows:
         r["speedup_of_ours"] = r[key] / ours[r["shape"]] if r[key] else None
     return dict(env=common.environment(device), quick=quick, steps=STEPS, peak_tflops=peak, peak_note=peak_note,
                 warmup=warmup, reps=reps, stat=stat, threads=torch.get_num_threads() if device == "cpu" else None,
-                rows=rows)
+                rows=rows, gram=gram)
+
+
+def _ill_conditioned(batch: int, m: int, n: int, device: str, gen) -> Any:
+    """``U diag(s) V^T`` with ``s`` log-spaced from 1 to 1e-4 (per matrix of the stack)."""
+    import torch
+
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(batch, m, k, generator=gen, device=device))
+    V, _ = torch.linalg.qr(torch.randn(batch, n, k, generator=gen, device=device))
+    s = torch.logspace(0, -4, k, device=device)
+    out = (U * s) @ V.mT
+    return out[0] if batch == 1 else out
+
+
+def gram_rows(rows: List[Dict[str, Any]], shapes, device: str, gen) -> List[Dict[str, Any]]:
+    """Gram vs standard NS per shape: FLOPs, median-time ratio (from the interleaved calls
+    above), distance to fp32 standard NS on a gaussian and an ill-conditioned input."""
+    import torch
+
+    from megatron_muon.newton_schulz import newton_schulz, newton_schulz_flops
+
+    def dist(method: str, x) -> float:
+        ref = newton_schulz(x, STEPS, "quintic", torch.float32)
+        out = newton_schulz(x, STEPS, "quintic", torch.bfloat16, method=method).float()
+        return float((out - ref).norm() / ref.norm())
+
+    by = {(r["shape"], r["impl"]): r for r in rows}
+    out = []
+    for label, batch, m, n in shapes:
+        std, gram = by[(label, "megatron_muon")], by[(label, "megatron_muon gram")]
+        ill = _ill_conditioned(batch, m, n, device, gen)
+        out.append(dict(
+            shape=label, aspect=max(m, n) / min(m, n),
+            flops_ratio=newton_schulz_flops(m, n, STEPS, batch, "gram") / newton_schulz_flops(m, n, STEPS, batch),
+            time_ratio=gram["ms"] / std["ms"], best_time_ratio=gram["best_ms"] / std["best_ms"],
+            dist_standard=std["rel_err"], dist_gram=gram["rel_err"],
+            dist_standard_ill=dist("standard", ill), dist_gram_ill=dist("gram", ill)))
+        del ill
+    return out
 
 
 def markdown(data: Dict[str, Any]) -> str:
@@ -204,12 +260,20 @@ def markdown(data: Dict[str, Any]) -> str:
         ["shape", "implementation", "median ms", "best ms", f"TFLOP/s ({stat})", "of peak", f"time / ours ({stat})",
          "rel. diff vs fp32 NS", "note"], rows)
     peak = f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_note']})" if data["peak_tflops"] else data["peak_note"]
+    gram_table = common.md_table(
+        ["shape", "aspect", "FLOPs gram / std", "median time gram / std", "best time gram / std",
+         "dist. std (gaussian)", "dist. gram (gaussian)", "dist. std (ill-cond.)", "dist. gram (ill-cond.)"],
+        [[g["shape"], g["aspect"], g["flops_ratio"], g["time_ratio"], g["best_time_ratio"], g["dist_standard"],
+          g["dist_gram"], g["dist_standard_ill"], g["dist_gram_ill"]] for g in data["gram"]])
     sizes = "quick sizes (every side / 16, experts / 8; the real shapes are for GPUs)" if data["quick"] else "real sizes"
     return (
         f"{data['steps']} Newton–Schulz steps, bf16 compute, fp32 input, {sizes}; {data['reps']} calls per "
         f"implementation after {data['warmup']} warm-up calls, taking turns; rates from the "
         f"{'fastest call' if data['stat'] == 'best' else 'median call'}. Peak: {peak}.\n\n"
         f"{common.provenance(data['env'])}\n\n{table}\n"
+        f"\n**Gram vs standard Newton–Schulz** (both bf16 compute; Gram computes in fp16 inside). "
+        f"Time ratio: Gram's median call over standard's (interleaved calls); distance: relative "
+        f"Frobenius distance to fp32 standard NS.\n\n{gram_table}\n"
     )
 
 
@@ -235,6 +299,11 @@ def main(argv=None) -> Dict[str, Any]:
     paths = common.write_outputs(args.out, args.name, data, markdown(data))
     rows = [[r["shape"], r["impl"], r["ms"], r["tflops"], r["peak_fraction"]] for r in data["rows"]]
     print(common.text_table(["shape", "implementation", "ms", "TFLOP/s", "of peak"], rows))
+    print()
+    print(common.text_table(["shape", "aspect", "FLOPs gram/std", "time gram/std", "dist std", "dist gram",
+                             "dist std ill", "dist gram ill"],
+                            [[g["shape"], g["aspect"], g["flops_ratio"], g["time_ratio"], g["dist_standard"],
+                              g["dist_gram"], g["dist_standard_ill"], g["dist_gram_ill"]] for g in data["gram"]]))
     print(f"\nwrote {paths['json']} and {paths['markdown']}")
     return data
 

@@ -141,9 +141,15 @@ class RankCosts:
         self.ddp = defaultdict(lambda: [0.0] * ranks)
         self.buffers = defaultdict(lambda: [0.0] * ranks)  # bytes of DDP's grad + param buffers
         self.chunks: Dict[str, int] = {}
+        # Bytes of the split Newton–Schulz collectives (also in intra / inter): they sit
+        # inside the compute stage, so the prediction adds their time to the NS time.
+        self.sync_intra = defaultdict(lambda: [0.0] * ranks)
+        self.sync_inter = defaultdict(lambda: [0.0] * ranks)
 
-    def send(self, scheme: str, kind: str, src: int, dst_node_same: bool, nbytes: float) -> None:
+    def send(self, scheme: str, kind: str, src: int, dst_node_same: bool, nbytes: float, sync: bool = False) -> None:
         (self.intra if dst_node_same else self.inter)[scheme][src] += nbytes
+        if sync:
+            (self.sync_intra if dst_node_same else self.sync_inter)[scheme][src] += nbytes
         self.by_kind[scheme][kind] += nbytes
 
 
@@ -214,10 +220,12 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
         # Group ranks in global-rank order, as build_ortho_group orders them.
         coords = [(t, d) for d in range(n) for t in range(size)]
         group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n)
-        plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel, holders_only=owner_layout)
+        plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel, holders_only=owner_layout,
+                          ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks)
         for i in range(c.tp * c.dp):
             t, d, _ = coords_of(c, expert, i)
             costs.flops[scheme][i] += plan.loads[d * size + t]
+        _split_costs(costs, scheme, plan, coords, c, expert)
         for job in plan.jobs:
             t_o, d_o = coords[job.owner]
             for direction, segs in (("gather", job.sources), ("scatter", job.dests)):
@@ -249,6 +257,29 @@ def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[in
     per_node = (max(1, c.gpus_per_node // c.tp), max(1, c.gpus_per_node // (c.etp * c.ep)))
     return compute_full_param_layout([sp.param for sp in params], flops, bucket, c.dp,
                                      S.ddp_config(c.grad_reduce_in_fp32), c.edp, shards_per_node=per_node)
+
+
+def _split_costs(costs: RankCosts, scheme: str, plan, coords, c: Cluster, expert: bool) -> None:
+    """Bytes of the split Newton–Schulz jobs (``megatron_muon.split_newton_schulz``): the
+    leader's column blocks out (bf16) and back, and each member's ring all-reduce of the
+    Gram matrix (fp32), classified intra- or inter-node by the members' placement."""
+    from megatron_muon.split_newton_schulz import split_traffic
+
+    for job in plan.jobs:
+        if not job.split:
+            continue
+        rows, cols = job.matrix.ns_shape
+        nbytes = split_traffic(rows, cols, NS_STEPS, len(job.split), COMM_BYTES, job.matrix.column_groups)
+        for e in range(c.ep if expert else 1):
+            ranks = [rank_of(c, expert, *coords[r], e) for r in job.split]
+            leader = ranks[0]
+            one_node = len({c.node(r) for r in ranks}) == 1
+            for r in ranks[1:]:
+                same = c.node(r) == c.node(leader)
+                costs.send(scheme, "split_scatter", leader, same, nbytes["scatter"] / (len(ranks) - 1), sync=True)
+                costs.send(scheme, "split_gather", r, same, nbytes["gather"], sync=True)
+            for r in ranks:
+                costs.send(scheme, "all_reduce", r, one_node, nbytes["all_reduce"], sync=True)
 
 
 def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[Tuple[int, int], Tuple[int, int], Optional[int]]]:
@@ -351,9 +382,11 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
             for i in range(c.tp * c.dp):
                 f, a, b = stage_flops[i], st.intra[scheme][i], st.inter[scheme][i]
                 elem = st.elements[scheme][i] * ELEMENTWISE_BYTES["adamw" if scheme == "adamw" else "muon"] / hbm
-                comm = a / intra_bw + b / inter_bw
+                sync = st.sync_intra[scheme][i] / intra_bw + st.sync_inter[scheme][i] / inter_bw
+                comm = a / intra_bw + b / inter_bw - sync
                 if scheme.startswith("ours"):
-                    t = elem + _pipelined(comm / 2, f / flop_rate, comm / 2, st.chunks.get(scheme, 1))
+                    # Split NS's collectives run inside the compute stage, blocking.
+                    t = elem + _pipelined(comm / 2, f / flop_rate + sync, comm / 2, st.chunks.get(scheme, 1))
                 else:
                     t = elem + f / flop_rate + comm
                 times.append(t)

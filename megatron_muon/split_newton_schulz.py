@@ -1,0 +1,220 @@
+"""Split Newton–Schulz: one large matrix orthogonalized by several ranks together.
+
+When a pipeline stage has few Muon matrices and many ranks, the largest matrix sets the
+step time while most ranks wait (DeepSeek-V3's dense ``fc1``, 7168 x 36864, is about 42
+TFLOP of a 5-step Newton–Schulz on one GPU). The planner may then give such a matrix to an
+aligned block of ``g`` ranks (consecutive ranks of the orthogonalization group, so one
+node when ``g`` divides the GPUs per node; ``g`` a power of two up to
+``MuonConfig.muon_split_ns_max_ranks``), chosen from the FLOPs (:func:`place_split_jobs`).
+
+The algebra is that of Megatron-core's "distributed" tensor-parallel Newton–Schulz: with
+the wide orientation ``X = [X_1 | ... | X_g]`` cut into column blocks (the long side),
+``X X^T = sum_i X_i X_i^T``, and every step's update ``X_i <- a X_i + (b A + c A A) X_i``
+needs only its own block and the small ``k x k`` matrix ``A``. So per step each member
+computes its block's Gram matrix, the group **all-reduces** it (in fp32: ``k^2`` elements),
+every member forms ``b A + c A A`` (redundantly: ``2 k^3`` FLOPs each) and updates its block.
+
+Communication around it (:class:`SplitNewtonSchulz`), inside the split group only:
+
+1. the job's owner (the *leader*) has gathered the whole matrix as for any job; it takes
+   the Frobenius norm in fp32, normalises, casts to the compute dtype, zero-pads the long
+   side to a multiple of ``g`` (zero columns add nothing to ``A`` and stay zero) and
+   **scatters** the column blocks;
+2. ``steps`` all-reduces of ``A``;
+3. the leader **gathers** the blocks back and goes on as for an unsplit job (scale,
+   scatter of the update pieces to their holders).
+
+Split jobs always run the standard iteration (not Gram NS) and are not compiled. The
+result equals unsplit Newton–Schulz up to the order of the Gram sums (fp32: ~1e-7).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .newton_schulz import resolve_coefficients
+
+__all__ = ["SplitNewtonSchulz", "member_flops", "place_split_jobs", "split_traffic"]
+
+
+def member_flops(rows: int, cols: int, steps: int, ranks: int, batch: int = 1) -> int:
+    """Newton–Schulz FLOPs of each of ``ranks`` members splitting ``batch`` ``rows x cols``
+    matrices: per step two ``k x (l/g)`` products with ``k = min``, ``l = max`` side, and the
+    redundant ``A A`` (``2 k^3``)."""
+    k, l = min(rows, cols), max(rows, cols)
+    width = math.ceil(l / ranks)
+    return batch * steps * (4 * k * k * width + 2 * k**3)
+
+
+def split_traffic(rows: int, cols: int, steps: int, ranks: int, elem_bytes: int, batch: int = 1) -> Dict[str, int]:
+    """Bytes one split job adds: ``scatter`` is what the leader sends (``g - 1`` of ``g``
+    padded blocks in the compute dtype), ``gather`` what each other member sends back (one
+    block), ``all_reduce`` what each member sends in a ring all-reduce of ``A`` (fp32) over
+    all steps."""
+    k, l = min(rows, cols), max(rows, cols)
+    block = k * math.ceil(l / ranks) * elem_bytes
+    return dict(
+        scatter=batch * (ranks - 1) * block,
+        gather=batch * block,
+        all_reduce=batch * steps * 2 * (ranks - 1) * k * k * 4 // ranks,
+    )
+
+
+def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int) -> List[int]:
+    """Split the jobs that alone exceed a rank's mean Newton–Schulz load; return the loads.
+
+    A job whose FLOPs exceed ``total / ranks`` would bound the step on its own. It gets the
+    smallest power-of-two ``g <= max_ranks`` whose per-member cost (:func:`member_flops`)
+    fits under that mean (else the largest allowed), on the aligned block of ``g``
+    consecutive group ranks with the least load so far; its owner (leader) is the block's
+    rank that holds most of the matrix. Sets ``job.split`` (leader first), ``job.owner`` and
+    ``job.flops`` (per member); other jobs are left to ``assign_owners``. Only jobs any rank
+    may own (exact mode) are split.
+    """
+    loads = [0] * group.size
+    limit = min(max_ranks, group.size)
+    if limit < 2:
+        return loads
+    mean = sum(job.flops for job in jobs) / group.size
+    for job in sorted(jobs, key=lambda j: (-j.flops, j.index)):
+        if job.flops <= mean:
+            break
+        if job.owner_tp is not None:
+            continue
+        rows, cols = job.matrix.ns_shape
+        batch = job.matrix.column_groups
+        g = 2
+        while g < limit and 2 * g <= max(rows, cols) and member_flops(rows, cols, steps, g, batch) > mean:
+            g *= 2
+        if g > limit or g > max(rows, cols):
+            continue
+        blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
+        members = min(blocks, key=lambda b: (max(loads[r] for r in b), b[0]))
+        held: Dict[int, int] = {}
+        for seg in job.sources + job.dests:
+            r = group.rank_of(seg.tp, seg.dp)
+            held[r] = held.get(r, 0) + seg.numel
+        leader = min(members, key=lambda r: (-held.get(r, 0), r))
+        job.split = tuple([leader] + [r for r in members if r != leader])
+        job.owner = leader
+        job.flops = member_flops(rows, cols, steps, g, batch)
+        for r in members:
+            loads[r] += job.flops
+    return loads
+
+
+_GROUPS: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _split_group(global_ranks: Tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of these global ranks, created once per process: only members
+    call this, so the group is made with ``use_local_synchronization``, whose name is a hash
+    of the ranks; creating it a second time (another optimizer, a rebuilt pipeline) would
+    reuse that name and hang."""
+    if global_ranks not in _GROUPS:
+        _GROUPS[global_ranks] = dist.new_group(list(global_ranks), use_local_synchronization=True)
+    return _GROUPS[global_ranks]
+
+
+class SplitNewtonSchulz:
+    """Runs this rank's part of the plan's split jobs (see the module docstring).
+
+    Built with the pipeline, on every rank of the orthogonalization group; each rank
+    creates the process groups of the split groups it belongs to
+    (``use_local_synchronization``: only members take part).
+    """
+
+    def __init__(
+        self, plan, steps: int, coefficients, ns_dtype: torch.dtype, device: Optional[torch.device] = None,
+        traffic: Optional[Dict[str, int]] = None, eps: float = 1e-7,
+    ) -> None:
+        self.me = plan.group.rank
+        self.device = device
+        self.steps = steps
+        self.schedule = resolve_coefficients(coefficients).schedule(steps)
+        self.ns_dtype = ns_dtype
+        self.eps = eps
+        global_ranks = dist.get_process_group_ranks(plan.group.group)
+        self.groups: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
+        for job in plan.jobs:
+            members = tuple(sorted(job.split))
+            if self.me in members and members not in self.groups:
+                self.groups[members] = _split_group(tuple(global_ranks[r] for r in members))
+        self.traffic: Dict[str, int] = traffic if traffic is not None else defaultdict(int)
+        """Bytes this rank sent: ``split_scatter`` / ``split_gather`` (the leader's blocks, a
+        member's block back), ``split_all_reduce`` (ring estimate)."""
+
+    def run(self, jobs: Sequence, matrices: Dict[int, List[torch.Tensor]]) -> Dict[int, List[torch.Tensor]]:
+        """Take part in every split job of ``jobs`` this rank belongs to, in job order (the
+        same order on every member, so the blocking collectives pair up). ``matrices``:
+        the assembled inputs of the jobs this rank owns. Returns the results of the jobs
+        this rank leads."""
+        out: Dict[int, List[torch.Tensor]] = {}
+        for job in sorted(jobs, key=lambda j: j.index):
+            if self.me not in job.split:
+                continue
+            leader = job.split[0] == self.me
+            results = []
+            for k in range(job.matrix.column_groups):
+                G = matrices[job.index][k] if leader else None
+                results.append(self.orthogonalize(G, job.matrix.ns_shape, tuple(sorted(job.split)), job.split[0]))
+            if leader:
+                out[job.index] = results
+        return out
+
+    def orthogonalize(
+        self, G: Optional[torch.Tensor], shape: Tuple[int, int], members: Tuple[int, ...], leader: int
+    ) -> Optional[torch.Tensor]:
+        """Newton–Schulz of one ``shape`` matrix by the group ``members`` (sorted group
+        ranks). ``G``: the matrix on the ``leader``, None on the others; returns the result
+        on the leader (``G``'s dtype), None elsewhere."""
+        group, g = self.groups[members], len(members)
+        src = members.index(leader)
+        k, l = min(shape), max(shape)
+        width = math.ceil(l / g)
+        X = self._scatter_blocks(G, k, width, g, group, src)
+        X = self._iterate(X, group, g)
+        return self._gather_blocks(X, G, l, g, group, src)
+
+    def _scatter_blocks(self, G, k: int, width: int, g: int, group, src: int) -> torch.Tensor:
+        """Leader: normalise the wide orientation (norm in fp32, as ``newton_schulz``), pad
+        the long side to ``g * width`` with zero columns, send block ``i`` to member ``i``."""
+        block = torch.empty(k, width, dtype=self.ns_dtype, device=self.device if G is None else G.device)
+        blocks = None
+        if G is not None:
+            X = (G.mT if G.size(0) > G.size(1) else G).float()
+            X = (X / (torch.linalg.matrix_norm(X) + self.eps)).to(self.ns_dtype)
+            X = torch.nn.functional.pad(X, (0, width * g - X.size(1)))
+            blocks = [b.contiguous() for b in X.split(width, dim=1)]
+            self.traffic["split_scatter"] += (g - 1) * block.numel() * block.element_size()
+        dist.scatter(block, blocks, group=group, group_src=src)
+        return block
+
+    def _iterate(self, X: torch.Tensor, group, g: int) -> torch.Tensor:
+        """The steps on this member's block: ``A = sum over members of X_i X_i^T`` (one fp32
+        all-reduce), then ``X_i <- a X_i + (b A + c A A) X_i``."""
+        for a, b, c in self.schedule:
+            A = (X @ X.mT).float()
+            dist.all_reduce(A, group=group)
+            self.traffic["split_all_reduce"] += 2 * (g - 1) * A.numel() * 4 // g
+            A = A.to(self.ns_dtype)
+            B = torch.addmm(A, A, A, beta=b, alpha=c)
+            X = torch.addmm(X, B, X, beta=a)
+        return X
+
+    def _gather_blocks(self, X: torch.Tensor, G, l: int, g: int, group, src: int) -> Optional[torch.Tensor]:
+        """Every member sends its block to the leader, which drops the padding and undoes
+        the transpose."""
+        gathered = [torch.empty_like(X) for _ in range(g)] if G is not None else None
+        if G is None:
+            self.traffic["split_gather"] += X.numel() * X.element_size()
+        dist.gather(X.contiguous(), gathered, group=group, group_dst=src)
+        if G is None:
+            return None
+        X = torch.cat(gathered, dim=1)[:, :l]
+        return (X.mT if G.size(0) > G.size(1) else X).to(G.dtype)
