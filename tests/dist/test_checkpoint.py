@@ -10,7 +10,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build, max_rel_err
+from tests.helpers.training import GBS, MBS, build, max_rel_err
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build, max_rel_err, reference, train
+from tests.helpers.training import GBS, MBS, build, max_rel_err, reference, train
 
 BOOST = 10.0  # W_q rows of the boosted heads are multiplied by this: logits x10
 
@@ -49,7 +49,7 @@ def _clip_once(spec_kwargs, heads):
     _boost_heads(chunks, spec, heads)
     model = M.wrap_ddp(chunks, chunks[0].config)
     from megatron_muon import get_muon_optimizer
-    from tests.test_optimizer import muon_config, scheduler
+    from tests.helpers.training import muon_config, scheduler
 
     cfg = muon_config(spec, lr=0.0, min_lr=0.0)
     opt = get_muon_optimizer(cfg, model)

@@ -1,13 +1,10 @@
 """Owner-aligned DDP buffers (``megatron_muon.buffer_layout``): the packing's guarantees on
-shapes alone, and on a real DP2 x TP2 model that Muon then sends nothing over DP."""
+shapes alone (the traffic on a real model is in ``tests/dist/test_buffer_layout_traffic.py``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from megatron_muon.testing import run_distributed
-from megatron_muon.testing import models as M
 
 
 def _meta_params(shapes):
@@ -65,32 +62,3 @@ def test_a_param_larger_than_a_shard_straddles_inside_one_node():
     holders, shard = _holders(ours, big, 8)
     assert big.numel() > shard
     assert holders[0] // 4 == holders[-1] // 4, holders
-
-
-def _count_step(layout: str):
-    """Bytes by process-group kind of one optimizer step of ours on DP2 x TP2."""
-    from megatron_muon.traffic import count_collectives
-    from tests.test_optimizer import MBS, GBS, build
-
-    spec = M.TinyModelSpec(kind="gqa")
-    _, model, opt, _ = build(spec, muon_buffer_layout=layout)
-    tokens = M.synthetic_batches(spec, GBS, 1)[0]
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    opt.zero_grad()
-    M.forward_backward(model, tokens, MBS, spec)
-    with count_collectives() as traffic:
-        opt.step()
-    return dict(kinds=dict(traffic.bytes), groups=dict(traffic.by_group), owner=opt.muon_optimizers[0].owner_layout)
-
-
-@pytest.mark.timeout(300)
-def test_owner_layout_sends_muon_pieces_only_inside_the_tp_group():
-    owner, megatron = (run_distributed(_count_step, 4, layout, tp=2, timeout_s=250) for layout in ("owner", "megatron"))
-    for r in owner:
-        assert r["owner"]
-        # Over DP only Megatron's parameter all-gather; every Muon piece moves inside TP.
-        assert r["groups"].get("dp", 0) == r["kinds"].get("all_gather", 0)
-        assert r["groups"].get("tp", 0) == r["kinds"].get("all_to_all", 0) > 0
-    assert not megatron[0]["owner"]
-    assert sum(r["groups"].get("dp", 0) for r in megatron) > sum(r["groups"].get("dp", 0) for r in owner)

@@ -9,9 +9,6 @@ Megatron-LM checkout on ``PYTHONPATH`` provides it otherwise.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import sys
 import types
 
 import pytest
@@ -19,6 +16,7 @@ import torch
 
 from megatron_muon import MuonConfig
 from megatron_muon.megatron_lm import integration as I
+from tests.helpers.megatron_lm import ARGV, parse_and_validate
 
 # ---------------------------------------------------------------------------------------
 # Without Megatron-LM: a parser with Megatron-LM's optimizer and --muon-* flags (arguments.py)
@@ -193,14 +191,6 @@ def test_unsupported_combinations_name_the_flag(argv, match):
 # With Megatron-LM's megatron.training
 # ---------------------------------------------------------------------------------------
 
-ARGV = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "10", "--lr", "0.02",
-        "--weight-decay", "0.01", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-        "--optimizer", "muon", "--use-distributed-optimizer", "--muon-ns-dtype", "fp32",
-        "--muon-comm-dtype", "fp32"]
-
-
 @pytest.fixture
 def megatron_lm():
     pytest.importorskip("megatron.training", reason="Megatron-LM's megatron.training is not importable: no "
@@ -213,20 +203,9 @@ def megatron_lm():
     undo()
 
 
-def _parse_and_validate(arguments, argv):
-    saved, sys.argv = sys.argv, list(argv)
-    try:
-        args = arguments.parse_args()
-        with contextlib.redirect_stdout(io.StringIO()):
-            arguments.validate_args(args, {})
-        return args
-    finally:
-        sys.argv = saved
-
-
 def test_megatron_lm_parser_and_validation(megatron_lm):
     arguments, training = megatron_lm
-    args = _parse_and_validate(arguments, ARGV + ["--muon-tp-mode", "distributed", "--no-muon-nesterov"])
+    args = parse_and_validate(arguments, ARGV + ["--muon-tp-mode", "distributed", "--no-muon-nesterov"])
     assert (args.optimizer, args.use_distributed_optimizer, args.use_layer_wise_distributed_optimizer) == (
         "muon", True, False)
     config, overrides = training.get_megatron_optimizer_config(args)
@@ -234,7 +213,7 @@ def test_megatron_lm_parser_and_validation(megatron_lm):
     assert (cfg.lr, cfg.muon_tp_mode, cfg.muon_nesterov, cfg.muon_momentum) == (0.02, "exact", False, 0.95)
     assert training.get_megatron_optimizer.__megatron_muon_undo__ is not None
     with pytest.raises(ValueError, match="--use-distributed-optimizer"):
-        _parse_and_validate(arguments, [a for a in ARGV if a != "--use-distributed-optimizer"])
+        parse_and_validate(arguments, [a for a in ARGV if a != "--use-distributed-optimizer"])
 
 
 def _max_rel_diff(a: dict, b: dict) -> float:
@@ -261,7 +240,7 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     from megatron_muon.testing import models as M
 
     I.use_megatron_muon()
-    args = _parse_and_validate(arguments, ARGV)
+    args = parse_and_validate(arguments, ARGV)
     global_vars.set_args(args)
     # QK-Clip on, with a threshold low enough that heads get clipped every step.
     spec = M.TinyModelSpec(extra=dict(qk_clip=True, qk_clip_threshold=0.04))

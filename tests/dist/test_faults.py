@@ -22,7 +22,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build
+from tests.helpers.training import GBS, MBS, build
 
 PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True)}
 
@@ -214,7 +214,7 @@ def test_experts_not_divisible_by_expert_parallel_size_is_named():
 def _early_errors_and_loss_scale():
     """In every rank (2 ranks, EP2)."""
     from megatron_muon import get_muon_optimizer
-    from tests.test_optimizer import muon_config
+    from tests.helpers.training import muon_config
 
     out = {}
     # EP2 with 3 experts: our message, not Megatron's empty AssertionError.
@@ -432,10 +432,10 @@ def _megatron_lm_checkpoints(ckpt_root):
     from megatron_muon.integrity import MANIFEST, CheckpointIntegrityError
     from megatron_muon.megatron_lm import integration as I
     from megatron_muon.megatron_lm import integrity_hooks
-    from tests.test_megatron_lm_integration import ARGV, _parse_and_validate
+    from tests.helpers.megatron_lm import ARGV, parse_and_validate
 
     I.use_megatron_muon()
-    args = _parse_and_validate(arguments, ARGV + ["--save", ckpt_root, "--load", ckpt_root, "--save-interval", "1"])
+    args = parse_and_validate(arguments, ARGV + ["--save", ckpt_root, "--load", ckpt_root, "--save-interval", "1"])
     global_vars.set_args(args)
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
@@ -533,7 +533,7 @@ QKV_VARIANTS = {
 
 
 def _qkv_references():
-    from tests.test_optimizer import reference
+    from tests.helpers.training import reference
 
     return reference(ONE_KV_GROUP, {"part": {}, "head": dict(muon_qkv_split="head"),
                                     "duplicated": dict(muon_qkv_split="group")})
@@ -541,7 +541,7 @@ def _qkv_references():
 
 @pytest.mark.timeout(400)
 def test_qkv_split_with_fewer_query_groups_than_tp_ranks_equals_reference():
-    from tests.test_optimizer import max_rel_err, train
+    from tests.helpers.training import max_rel_err, train
 
     ref = run_distributed(_qkv_references, 1, timeout_s=300)[0]
     results = run_distributed(train, 2, ONE_KV_GROUP, QKV_VARIANTS, timeout_s=380, tp=2)

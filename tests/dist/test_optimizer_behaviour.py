@@ -13,7 +13,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build, muon_config, scheduler
+from tests.helpers.training import GBS, MBS, build, muon_config, scheduler
 
 DENSE = M.TinyModelSpec(kind="gqa")
 

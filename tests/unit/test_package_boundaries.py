@@ -12,7 +12,9 @@ import ast
 from pathlib import Path
 from typing import Iterator, Tuple
 
-PACKAGE = Path(__file__).resolve().parents[1] / "megatron_muon"
+from tests.helpers import REPO
+
+PACKAGE = REPO / "megatron_muon"
 HARNESS = "megatron_muon.testing"
 
 

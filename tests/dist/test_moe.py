@@ -9,7 +9,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build, max_rel_err, reference, train
+from tests.helpers.training import GBS, MBS, build, max_rel_err, reference, train
 
 MOE = dict(kind="moe")
 MOE_SP = dict(kind="moe", sequence_parallel=True)

@@ -15,9 +15,10 @@ import torch
 from megatron_muon.integrity import write_manifest
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build
+from tests.helpers import REPO
+from tests.helpers.training import GBS, MBS, build
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 SPEC = dict(kind="gqa")
 FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -25,7 +26,7 @@ FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 def _megatron_adam(spec):
     """Megatron's DistributedOptimizer + AdamW with our tests' lr (param groups, which
     Megatron matches by their settings, then line up with converted checkpoints)."""
-    from tests.test_optimizer import BASE_CFG
+    from tests.helpers.training import BASE_CFG
 
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)

@@ -19,7 +19,9 @@ from typing import Dict, List
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import REPO
+
+ROOT = REPO
 PRETRAIN = [sys.executable, str(ROOT / "tools" / "pretrain_gpt.py")]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 TWO_RANKS = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",

@@ -11,7 +11,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.test_optimizer import GBS, MBS, build, max_rel_err, reference, train
+from tests.helpers.training import GBS, MBS, build, max_rel_err, reference, train
 
 VR = dict(muon_variance_reduction=0.9)
 CAUTIOUS = dict(muon_cautious_weight_decay=True)

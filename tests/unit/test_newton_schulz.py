@@ -204,6 +204,7 @@ def test_default_path_never_compiles(monkeypatch):
     newton_schulz(torch.randn(8, 12))
 
 
+@pytest.mark.slow  # torch.compile (inductor) takes about 15 s on a CPU
 def test_compiled_matches_eager():
     # Inductor on the CPU (gcc): the first compile in a process takes tens of seconds, so
     # one tiny matrix and one stack, both methods.

@@ -11,13 +11,14 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPO
+
 from tools.compare_optimizers import iterations_to_reach, read_log, summarize, table
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 
 @pytest.mark.timeout(240)

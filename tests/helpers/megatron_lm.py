@@ -1,0 +1,27 @@
+"""Shared by the tests that run Megatron-LM's own ``megatron.training``: a tiny command line
+and its parse + validation, as ``pretrain_gpt.py`` does them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+
+ARGV = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
+        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "10", "--lr", "0.02",
+        "--weight-decay", "0.01", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+        "--optimizer", "muon", "--use-distributed-optimizer", "--muon-ns-dtype", "fp32",
+        "--muon-comm-dtype", "fp32"]
+
+
+def parse_and_validate(arguments, argv):
+    """Megatron-LM's ``parse_args`` and ``validate_args`` on ``argv`` (its listing kept off stdout)."""
+    saved, sys.argv = sys.argv, list(argv)
+    try:
+        args = arguments.parse_args()
+        with contextlib.redirect_stdout(io.StringIO()):
+            arguments.validate_args(args, {})
+        return args
+    finally:
+        sys.argv = saved
