@@ -35,7 +35,7 @@ Its numerics differ from the standard iteration in one way that matters: ``Q`` g
 the product of the ``a`` coefficients (3.4445^5 ~ 490 for five quintic steps) in the
 directions of small singular values, and 16-bit rounding of a large ``Q`` leaks into the
 large directions of ``X_0``. Two measures keep Gram NS as close to fp32 NS as bf16
-standard NS is (measured in ``tests/test_newton_schulz.py``):
+standard NS is (measured in ``tests/unit/test_newton_schulz.py``):
 
 * **restart** every :data:`GRAM_RESTART_STEPS` steps: ``X = Q X_0`` is materialised in
   the compute dtype, ``R`` recomputed from it and ``Q`` reset to ``I`` (costs two
