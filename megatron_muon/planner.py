@@ -270,7 +270,7 @@ def build_plan(
     (``split_newton_schulz.place_split_jobs``) before the rest are assigned;
     ``holders_only``: see :func:`assign_owners`."""
     jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
-    loads = place_split_jobs(jobs, group, split_max_ranks, ns_steps)
+    loads = place_split_jobs(jobs, group, split_max_ranks, ns_steps, holders_only)
     chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only, loads)
     return Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads)
 

@@ -65,7 +65,7 @@ def split_traffic(rows: int, cols: int, steps: int, ranks: int, elem_bytes: int,
     )
 
 
-def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int) -> List[int]:
+def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int, holders_only: bool = False) -> List[int]:
     """Split the jobs that alone exceed a rank's mean Newton–Schulz load; return the loads.
 
     A job whose FLOPs exceed ``total / ranks`` would bound the step on its own. It gets the
@@ -74,7 +74,9 @@ def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int) -> List[
     consecutive group ranks with the least load so far; its owner (leader) is the block's
     rank that holds most of the matrix. Sets ``job.split`` (leader first), ``job.owner`` and
     ``job.flops`` (per member); other jobs are left to ``assign_owners``. Only jobs any rank
-    may own (exact mode) are split.
+    may own (exact mode) are split. ``holders_only`` (owner-aligned buffers): only blocks
+    with a rank that holds some of the matrix, so the gather to the leader and the scatter
+    back stay where the buffer layout put the matrix.
     """
     loads = [0] * group.size
     limit = min(max_ranks, group.size)
@@ -93,12 +95,14 @@ def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int) -> List[
             g *= 2
         if g > limit or g > max(rows, cols):
             continue
-        blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
-        members = min(blocks, key=lambda b: (max(loads[r] for r in b), b[0]))
         held: Dict[int, int] = {}
         for seg in job.sources + job.dests:
             r = group.rank_of(seg.tp, seg.dp)
             held[r] = held.get(r, 0) + seg.numel
+        blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
+        if holders_only:
+            blocks = [b for b in blocks if any(held.get(r, 0) for r in b)] or blocks
+        members = min(blocks, key=lambda b: (max(loads[r] for r in b), b[0]))
         leader = min(members, key=lambda r: (-held.get(r, 0), r))
         job.split = tuple([leader] + [r for r in members if r != leader])
         job.owner = leader

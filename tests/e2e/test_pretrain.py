@@ -179,12 +179,13 @@ def test_megatron_lm_example_launch_line(tmp_path):
     assert BUILT in stdout and DONE in stdout and sorted(losses(stdout)) == list(range(1, 7))
 
 
-def test_non_finite_step_exits_non_zero_and_latest_stays_finite(cache, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adam", "muon"])
+def test_non_finite_step_exits_non_zero_and_latest_stays_finite(cache, tmp_path, optimizer):
     """A learning rate that blows the weights up: Megatron-LM's NaN check
     (--check-for-nan-in-loss-and-grad, on by default) stops the job with a non-zero code;
     every checkpoint on disk, "latest" included, is finite."""
     ckpt = tmp_path / "ckpt"
-    proc = launch(PRETRAIN + ["--recipe", "tiny_moe", "--optimizer", "adam", "--lr", "1e30", "--min-lr", "1e29",
+    proc = launch(PRETRAIN + ["--recipe", "tiny_moe", "--optimizer", optimizer, "--lr", "1e30", "--min-lr", "1e29",
                               "--train-iters", "8", "--data-cache-path", str(cache), "--eval-iters", "0",
                               "--save", str(ckpt), "--save-interval", "2"])
     assert proc.returncode != 0 and "found NaN" in proc.stdout + proc.stderr, proc.stdout[-2000:]
