@@ -96,6 +96,39 @@ class MuonChainedOptimizer(ChainedOptimizer):
             raise self._non_finite_error()
         return result
 
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """The update of every chained optimizer, in the order the data flows.
+
+        The dense pipeline launches its first gathers; while they travel, the expert
+        optimizer takes its whole Muon step (with ``muon_overlap_expert_ns``; else after the
+        dense pipeline); the dense pipeline's chunks run; then AdamW on the scalar shards,
+        QK-Clip on the masters, the master -> model copy and Megatron's parameter
+        all-gather."""
+        self.events.clear()
+        dense, expert = self.dense, self.expert
+        overlap = expert is not None and self.config.muon_overlap_expert_ns
+        with megatron_timer(self.config, "optimizer-inner-step"):
+            dense_step = dense.launch_muon_step()
+            if overlap:
+                expert.muon_step()
+            dense.complete_muon_step(dense_step)
+            if expert is not None and not overlap:
+                expert.muon_step()
+            for opt in self.muon_optimizers:
+                opt.adamw_step()
+            dense.apply_qk_clip()
+        with megatron_timer(self.config, "optimizer-copy-main-to-model-params"):
+            for opt in self.muon_optimizers:
+                opt._copy_main_params_to_model_params()
+        for opt in self.muon_optimizers:
+            opt.start_param_sync()
+        if self.config.overlap_param_gather_with_optimizer_step:
+            # As Megatron's chain: dispatch the first model chunk's all-gather now, so it
+            # overlaps the rest of the iteration (after both optimizers' copies here).
+            dense.model_chunks[0].start_param_sync(force_dispatch=True)
+        return True
+
     def _non_finite_error(self) -> NonFiniteGradientError:
         """Collective over the grad-statistics group: every rank gets the same message."""
         names = [n for opt in self.muon_optimizers for n in opt.non_finite_grad_names()]
@@ -155,39 +188,6 @@ class MuonChainedOptimizer(ChainedOptimizer):
             self.load_sharded(state_dict)  # the result of dist_checkpointing.load
             return
         super().load_state_dict(state_dict)
-
-    @torch.no_grad()
-    def step_with_ready_grads(self) -> bool:
-        """The update of every chained optimizer, in the order the data flows.
-
-        The dense pipeline launches its first gathers; while they travel, the expert
-        optimizer takes its whole Muon step (with ``muon_overlap_expert_ns``; else after the
-        dense pipeline); the dense pipeline's chunks run; then AdamW on the scalar shards,
-        QK-Clip on the masters, the master -> model copy and Megatron's parameter
-        all-gather."""
-        self.events.clear()
-        dense, expert = self.dense, self.expert
-        overlap = expert is not None and self.config.muon_overlap_expert_ns
-        with megatron_timer(self.config, "optimizer-inner-step"):
-            dense_step = dense.launch_muon_step()
-            if overlap:
-                expert.muon_step()
-            dense.complete_muon_step(dense_step)
-            if expert is not None and not overlap:
-                expert.muon_step()
-            for opt in self.muon_optimizers:
-                opt.adamw_step()
-            dense.apply_qk_clip()
-        with megatron_timer(self.config, "optimizer-copy-main-to-model-params"):
-            for opt in self.muon_optimizers:
-                opt._copy_main_params_to_model_params()
-        for opt in self.muon_optimizers:
-            opt.start_param_sync()
-        if self.config.overlap_param_gather_with_optimizer_step:
-            # As Megatron's chain: dispatch the first model chunk's all-gather now, so it
-            # overlaps the rest of the iteration (after both optimizers' copies here).
-            dense.model_chunks[0].start_param_sync(force_dispatch=True)
-        return True
 
     @property
     def dense(self) -> MuonDistributedOptimizer:

@@ -386,3 +386,26 @@ def test_plan_splits_the_matrix_that_bounds_the_step():
     assert max(loads) / (sum(loads) / len(loads)) <= 1.5
     with pytest.raises(ValueError, match="muon_split_ns_max_ranks"):
         MuonConfig(lr=1e-3, muon_split_ns_max_ranks=3)
+
+
+def _alone_and_chained():
+    """One step of a dense model through the chain, and through its dense optimizer alone."""
+    spec = M.TinyModelSpec(kind="gqa")
+    tokens = M.synthetic_batches(spec, GBS, 1)[0]
+    params = []
+    for alone in (False, True):
+        chunks, model, opt, _ = build(spec)
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        opt.zero_grad()
+        M.forward_backward(model, tokens, MBS, spec)
+        ok, _, _ = (opt.muon_optimizers[0] if alone else opt).step()
+        assert ok
+        params.append([p.detach().clone() for p in chunks[0].parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*params))
+
+
+@pytest.mark.timeout(300)
+def test_dense_optimizer_stepped_alone_equals_the_chain():
+    """MuonDistributedOptimizer.step_with_ready_grads runs the chain's schedule for itself."""
+    assert all(run_distributed(_alone_and_chained, 2, tp=2, timeout_s=250))
