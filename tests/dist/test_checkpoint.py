@@ -3,23 +3,15 @@ Megatron-core models, CPU + gloo: save in one layout, load in another, lose noth
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.helpers.training import GBS, MBS, build, max_rel_err
+from tests.helpers.training import GBS, build, max_rel_err, train_steps
 
 STEPS_BEFORE, STEPS_AFTER = 3, 2
-
-
-def _train(model, opt, sched, spec, batches):
-    for tokens in batches:
-        loss, ok = M.train_step(model, opt, tokens, MBS, spec)
-        assert ok
-        sched.step(1)
 
 
 def _save_then_continue(spec_kwargs, ckpt_dir, cfg=None):
@@ -29,10 +21,10 @@ def _save_then_continue(spec_kwargs, ckpt_dir, cfg=None):
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
     chunks, model, opt, sched = build(spec, **(cfg or {}))
-    _train(model, opt, sched, spec, batches[:STEPS_BEFORE])
+    train_steps(model, opt, sched, spec, batches[:STEPS_BEFORE])
     saved_state = M.gather_canonical_optimizer_state(model, opt)
     save_checkpoint(ckpt_dir, model, opt, extra={"iteration": STEPS_BEFORE})
-    _train(model, opt, sched, spec, batches[STEPS_BEFORE:])
+    train_steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
     return dict(state=saved_state, final=M.gather_canonical_state(chunks))
 
 
@@ -44,7 +36,7 @@ def _load_then_continue(spec_kwargs, ckpt_dir, load_layout=None, cfg=None):
     chunks, model, opt, sched = build(spec, **(cfg or {}))
     extra = load_checkpoint(ckpt_dir, model, opt)
     loaded_state = M.gather_canonical_optimizer_state(model, opt)
-    _train(model, opt, sched, spec, batches[STEPS_BEFORE:])
+    train_steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
     return dict(state=loaded_state, final=M.gather_canonical_state(chunks), extra=extra, steps=opt.num_steps)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.helpers.training import GBS, MBS, build, max_rel_err, reference, train
+from tests.helpers.training import GBS, MBS, build, max_rel_err, reference, train, train_steps
 
 VR = dict(muon_variance_reduction=0.9)
 CAUTIOUS = dict(muon_cautious_weight_decay=True)
@@ -116,13 +116,6 @@ def test_variants_equal_reference(references, world, layout, model):
 STEPS_BEFORE, STEPS_AFTER = 3, 2
 
 
-def _steps(model, opt, sched, spec, batches):
-    for tokens in batches:
-        loss, ok = M.train_step(model, opt, tokens, MBS, spec)
-        assert ok
-        sched.step(1)
-
-
 def _offload_facts(opt) -> dict:
     """Where the Muon momentum lives now (between steps)."""
     offloads = [o.offload for o in opt.muon_optimizers if o.offload is not None]
@@ -147,11 +140,11 @@ def _save_then_continue(spec_kwargs, ckpt_dir, overrides):
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, STEPS_BEFORE + STEPS_AFTER)
     chunks, model, opt, sched = build(spec, **overrides)
-    _steps(model, opt, sched, spec, batches[:STEPS_BEFORE])
+    train_steps(model, opt, sched, spec, batches[:STEPS_BEFORE])
     saved = M.gather_canonical_optimizer_state(model, opt)
     save_checkpoint(ckpt_dir, model, opt)
     facts = _offload_facts(opt)
-    _steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
+    train_steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
     return dict(state=saved, final=M.gather_canonical_state(chunks), facts=facts)
 
 
@@ -164,7 +157,7 @@ def _load_then_continue(spec_kwargs, ckpt_dir, overrides):
     load_checkpoint(ckpt_dir, model, opt)
     facts = _offload_facts(opt)
     loaded = M.gather_canonical_optimizer_state(model, opt)
-    _steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
+    train_steps(model, opt, sched, spec, batches[STEPS_BEFORE:])
     return dict(state=loaded, final=M.gather_canonical_state(chunks), facts=facts)
 
 
@@ -295,7 +288,7 @@ def _per_rank_state_dict_across_offload():
         runs = []
         for resume in (False, True):
             chunks, model, opt, sched = build(spec, **first)
-            _steps(model, opt, sched, spec, batches[:2])
+            train_steps(model, opt, sched, spec, batches[:2])
             if resume:
                 saved = copy.deepcopy(opt.state_dict())
                 chunks2, model2, opt2, sched2 = build(spec, **second)
@@ -304,7 +297,7 @@ def _per_rank_state_dict_across_offload():
                 opt2.load_state_dict(saved)
                 sched2.step(2)
                 chunks, model, opt, sched = chunks2, model2, opt2, sched2
-            _steps(model, opt, sched, spec, batches[2:])
+            train_steps(model, opt, sched, spec, batches[2:])
             runs.append((M.gather_canonical_state(chunks), _offload_facts(opt)))
         out[bool(first.get("muon_cpu_offload"))] = runs
     return out

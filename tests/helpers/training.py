@@ -59,6 +59,14 @@ def build(spec: M.TinyModelSpec, ddp: dict | None = None, **cfg_overrides):
     return chunks, model, opt, scheduler(opt, cfg)
 
 
+def train_steps(model, opt, sched, spec: M.TinyModelSpec, batches) -> None:
+    """One successful optimizer step per batch, the scheduler stepped after each."""
+    for tokens in batches:
+        loss, ok = M.train_step(model, opt, tokens, MBS, spec)
+        assert ok
+        sched.step(1)
+
+
 def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
     """In every rank: for each named config variant, train ``steps`` steps and report."""
     from megatron.core import parallel_state
