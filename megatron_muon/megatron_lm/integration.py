@@ -154,7 +154,8 @@ def check_supported(args: argparse.Namespace) -> None:
          "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon"),
         (on("use_megatron_fsdp"), "does not support Megatron FSDP: drop --use-megatron-fsdp"),
         (on("use_torch_fsdp2"), "does not support Torch FSDP2: drop --use-torch-fsdp2"),
-        (on("optimizer_cpu_offload"), "does not support --optimizer-cpu-offload: drop it"),
+        (on("optimizer_cpu_offload"), "does not support --optimizer-cpu-offload: drop it "
+         "(--muon-cpu-offload keeps the Muon momentum on the CPU)"),
         (on("use_precision_aware_optimizer"), "does not support --use-precision-aware-optimizer: drop it"),
         (on("num_distributed_optimizer_instances", 1) != 1, "needs --num-distributed-optimizer-instances 1"),
         (on("dump_param_to_param_group_map", None) is not None,

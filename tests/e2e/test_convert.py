@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -376,14 +377,17 @@ main(sys.argv[1:])
 
 
 def _kill_when_written(*args: str) -> None:
+    """SIGKILL the converter's whole process group (as a job scheduler does) once it has
+    written its tensors: dist-checkpointing's writer processes die with it instead of
+    outliving the test."""
     proc = subprocess.Popen([sys.executable, "-c", KILLED_DURING_WRITE, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         for line in proc.stdout:
             if "WRITTEN" in line:
                 break
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
