@@ -73,6 +73,14 @@ class Job:
         rows, cols = self.matrix.shape
         return rows * cols
 
+    def held_elements(self, group: "OrthoGroup") -> Dict[int, int]:
+        """Elements of the matrix (pieces read plus pieces written) each group rank holds."""
+        held: Dict[int, int] = {}
+        for seg in self.sources + self.dests:
+            r = group.rank_of(seg.tp, seg.dp)
+            held[r] = held.get(r, 0) + seg.numel
+        return held
+
 
 @dataclass
 class Chunk:
@@ -230,7 +238,7 @@ def assign_owners(
     #    at or under the mean load.
     mean = (sum(loads) + sum(job.flops for job in order)) / max(group.size, 1)
     for job in order:
-        held = _held_elements(job, group)
+        held = job.held_elements(group)
         holder = min(allowed[job.index], key=lambda r: (-held.get(r, 0), loads[r], r))
         if held.get(holder, 0) > 0 and loads[holder] + job.flops <= mean:
             job.owner = holder
@@ -243,15 +251,6 @@ def assign_owners(
             job.owner = min(allowed[job.index], key=lambda r: (loads[r], r))
             loads[job.owner] += job.flops
     return chunks, loads
-
-
-def _held_elements(job: Job, group: OrthoGroup) -> Dict[int, int]:
-    """Elements of ``job``'s matrix (pieces read plus pieces written) each group rank holds."""
-    held: Dict[int, int] = {}
-    for seg in job.sources + job.dests:
-        r = group.rank_of(seg.tp, seg.dp)
-        held[r] = held.get(r, 0) + seg.numel
-    return held
 
 
 def build_plan(

@@ -95,10 +95,7 @@ def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int, holders_
             g *= 2
         if g > limit or g > max(rows, cols):
             continue
-        held: Dict[int, int] = {}
-        for seg in job.sources + job.dests:
-            r = group.rank_of(seg.tp, seg.dp)
-            held[r] = held.get(r, 0) + seg.numel
+        held = job.held_elements(group)
         blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
         if holders_only:
             blocks = [b for b in blocks if any(held.get(r, 0) for r in b)] or blocks
