@@ -8,7 +8,7 @@ With a Megatron-LM checkout, add two lines to its ``pretrain_gpt.py`` anywhere b
 
 and launch as before with ``--optimizer muon --use-distributed-optimizer`` and any ``--muon-*``
 flags (``--help`` lists them); ``--muon-impl megatron`` selects Megatron-core's own Muon.
-Five module globals are wrapped (plus the checkpoint-integrity hooks of
+Six module globals are wrapped (plus the checkpoint-integrity hooks of
 ``integrity_hooks``), each looked up by Megatron-LM at call time (line numbers:
 Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0.19.2 ships):
 
@@ -35,9 +35,12 @@ Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0
    log line instead of clipping again; otherwise Megatron's function runs.
 
 5. ``megatron.training.training.wrap_model_chunks_with_ddp`` (called by ``get_model`` at
-   :1880): for our ``muon`` with ``muon_buffer_layout='owner'`` (the default) every chunk's
-   DDP is built with :func:`~megatron_muon.muon_param_layout`, so each Muon matrix sits whole
-   in its owner's DP shard (no optimizer bytes over DP); Megatron-LM's loop, bucket sizes and
+   :1880) and ``megatron.training.models.dist_utils.DistributedDataParallel`` (looked up by
+   ``_ddp_wrap`` when a model config builds the model, ``build_distributed_models`` at
+   training.py:2050, as ``tools/pretrain_gpt.py`` does): for our ``muon`` with
+   ``muon_buffer_layout='owner'`` (the default) every chunk's DDP is built with
+   :func:`~megatron_muon.muon_param_layout`, so each Muon matrix sits whole in its owner's DP
+   shard (no optimizer bytes over DP); Megatron-LM's loops, bucket sizes and
    ``disable_bucketing`` per chunk are kept.
 
 Megatron-LM's own ``--muon-*`` flags are reused, not redefined; a value counts only when given
@@ -265,36 +268,59 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
     return get_megatron_optimizer
 
 
-def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any) -> Callable:
-    """For our ``muon``, DDP gets the owner-aligned buffer layout (``muon_param_layout``).
+def _owner_layout_config(args: Optional[argparse.Namespace], ddp_config: Any) -> Optional[MuonConfig]:
+    """Our MuonConfig when DDP should get the owner-aligned layout (``muon`` with
+    ``muon_buffer_layout='owner'`` on the distributed optimizer), else None."""
+    if args is None or not _ours(args) or not getattr(ddp_config, "use_distributed_optimizer", False):
+        return None
+    muon_config = muon_config_from_megatron(args)
+    return muon_config if muon_config.muon_buffer_layout == "owner" else None
 
-    Megatron-LM computes a layout only when its ``DP`` argument *is* ``DistributedDataParallel``
-    and, for the distributed optimizer, only the byte-level one from a flat param list (no
-    modules, which the logical-matrix rules need). We hand it a ``DP`` that builds the same
-    ``DistributedDataParallel`` with our layout for the module it wraps; Megatron-LM's own
-    loop, bucket sizes and per-chunk ``disable_bucketing`` are kept."""
+
+def _owner_aligned_ddp(ddp_class: Callable, muon_config: MuonConfig) -> Callable:
+    """``ddp_class`` with each chunk's buffers laid out by :func:`~megatron_muon.muon_param_layout`.
+
+    Megatron-LM computes the distributed optimizer's layout from a flat param list (no modules,
+    which the logical-matrix rules need); a layout it hands over is replaced by ours."""
+    from megatron_muon.buffer_layout import muon_param_layout
+
+    def build(config, ddp_config, module, disable_bucketing=False, full_param_layout=None, **ddp_kw):
+        layout = muon_param_layout(muon_config, module, ddp_config, disable_bucketing=disable_bucketing,
+                                   pg_collection=ddp_kw.get("pg_collection"))
+        return ddp_class(config=config, ddp_config=ddp_config, module=module,
+                         disable_bucketing=disable_bucketing, full_param_layout=layout, **ddp_kw)
+
+    return build
+
+
+def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any) -> Callable:
+    """``get_model``'s path: hand Megatron-LM's loop a ``DP`` that builds our layout (its bucket
+    sizes and per-chunk ``disable_bucketing`` are kept)."""
     from megatron.core.distributed import DistributedDataParallel
 
     @functools.wraps(original)
     def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *a, **kw):
-        args = _global_args(module)
-        if (args is None or not _ours(args) or kw.get("DP", DistributedDataParallel) is not DistributedDataParallel
-                or kw.get("use_layer_wise_distributed_optimizer") or not ddp_config.use_distributed_optimizer):
+        muon_config = _owner_layout_config(_global_args(module), ddp_config)
+        if (muon_config is None or kw.get("DP", DistributedDataParallel) is not DistributedDataParallel
+                or kw.get("use_layer_wise_distributed_optimizer")):
             return original(model_chunks, config, ddp_config, *a, **kw)
-        muon_config = muon_config_from_megatron(args)
-        if muon_config.muon_buffer_layout != "owner":
-            return original(model_chunks, config, ddp_config, *a, **kw)
-        from megatron_muon.buffer_layout import muon_param_layout
-
-        def owner_aligned_ddp(config, ddp_config, module, disable_bucketing=False, **ddp_kw):
-            layout = muon_param_layout(muon_config, module, ddp_config, disable_bucketing=disable_bucketing,
-                                       pg_collection=ddp_kw.get("pg_collection"))
-            return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                           disable_bucketing=disable_bucketing, full_param_layout=layout, **ddp_kw)
-
-        return original(model_chunks, config, ddp_config, *a, **dict(kw, DP=owner_aligned_ddp))
+        return original(model_chunks, config, ddp_config, *a,
+                        **dict(kw, DP=_owner_aligned_ddp(DistributedDataParallel, muon_config)))
 
     return wrap_model_chunks_with_ddp
+
+
+def _wrap_model_builder_ddp(original: Callable, training_module: Any) -> Callable:
+    """The model-config path (``builder.build_distributed_models`` -> ``dist_utils._ddp_wrap``)
+    looks ``DistributedDataParallel`` up in its module at call time: build it with our layout."""
+
+    @functools.wraps(original, updated=())
+    def distributed_data_parallel(*, config, ddp_config, module, **kw):
+        muon_config = _owner_layout_config(_global_args(training_module), ddp_config)
+        build = original if muon_config is None else _owner_aligned_ddp(original, muon_config)
+        return build(config=config, ddp_config=ddp_config, module=module, **kw)
+
+    return distributed_data_parallel
 
 
 def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
@@ -324,6 +350,12 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
         )
         if hasattr(module, name)
     ]
+    if training_module.__name__ == "megatron.training.training":
+        import megatron.training.models.dist_utils as dist_utils  # the model-config path's DDP
+
+        ddp_class = dist_utils.DistributedDataParallel
+        patches.append((dist_utils, "DistributedDataParallel", ddp_class,
+                        _wrap_model_builder_ddp(ddp_class, training_module)))
     from .integrity_hooks import integrity_patches  # checksummed checkpoints in Megatron-LM's save/load
     patches += integrity_patches()
 

@@ -49,10 +49,15 @@ def launch(cmd: List[str], timeout: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+OFF_LAYOUT = "but DDP was built without megatron_muon.muon_param_layout()"
+
+
 def run(cmd: List[str], timeout: int = 200) -> str:
+    """stdout of a run that must succeed, with Muon on its owner-aligned DDP buffers (the default)."""
     proc = launch(cmd, timeout)
     if proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    assert OFF_LAYOUT not in proc.stdout + proc.stderr, "Megatron-LM built DDP without our buffer layout"
     return proc.stdout
 
 
