@@ -203,6 +203,21 @@ def megatron_lm():
     undo()
 
 
+def test_model_config_path_ddp_is_wrapped_and_restored():
+    """``build_distributed_models`` looks ``DistributedDataParallel`` up in ``dist_utils`` at call
+    time: installed, it is our layout-choosing constructor; undone, Megatron's class again."""
+    pytest.importorskip("megatron.training")
+    import megatron.training.models.dist_utils as dist_utils
+    from megatron.core.distributed import DistributedDataParallel
+
+    undo = I.use_megatron_muon()
+    try:
+        assert dist_utils.DistributedDataParallel.__wrapped__ is DistributedDataParallel
+    finally:
+        undo()
+    assert dist_utils.DistributedDataParallel is DistributedDataParallel
+
+
 def test_megatron_lm_parser_and_validation(megatron_lm):
     arguments, training = megatron_lm
     args = parse_and_validate(arguments, ARGV + ["--muon-tp-mode", "distributed", "--no-muon-nesterov"])
