@@ -58,17 +58,17 @@ class Checkpoint:
 
 
 def _ensure_process_group() -> None:
-    """A one-rank gloo group (Megatron's checkpoint I/O is collective), on the CPU if no GPU."""
+    """A one-rank gloo group (Megatron's checkpoint I/O is collective), on the CPU if no GPU.
+
+    Its store lives in this process (no port, no ``MASTER_*`` variables set for the caller)."""
     import torch.distributed as dist
 
-    from .cpu import free_port, install_cpu_patches
+    from .cpu import install_cpu_patches
 
     if not torch.cuda.is_available():
         install_cpu_patches()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _read_metadata(path: str):

@@ -194,7 +194,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = prepare(argv)
     config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
     pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    shut_down_process_groups()
     return 0
+
+
+def shut_down_process_groups() -> None:
+    """Megatron-LM's orderly shutdown (its SIGTERM handler's): a barrier, then every process
+    group destroyed. ``pretrain()`` returns with the groups alive; a gloo rank torn down by
+    the interpreter with them alive aborts now and then ("terminate called without an active
+    exception", SIGABRT), which fails a finished run."""
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
