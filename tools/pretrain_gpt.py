@@ -15,21 +15,18 @@ the arguments with our layer spec (:func:`megatron_muon.layer_specs.megatron_lm_
 """
 
 import argparse
-import logging
 import sys
-import warnings
 from functools import partial
 from typing import List, Optional, Sequence
 
 import torch
 
-if not torch.cuda.is_available():
-    # Megatron-core announces at import that transformer-engine / Apex are absent; expected
-    # without a GPU, and it would bury a one-line argument error (megatron_lm.cpu quiets the
-    # same notices for modules imported later).
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine and Apex are|Apex is) not installed")
-    warnings.filterwarnings("ignore", message=".*transformer-engine>=1.7.0 supports MoE experts")
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime is found"
+from megatron_muon.megatron_lm import cpu
+
+if not cpu.use_cuda():
+    # Before Megatron-core is imported: its import-time notices that transformer-engine /
+    # Apex are absent are expected without a GPU and would bury a one-line argument error.
+    cpu.quiet_missing_extension_notices()
 
 from megatron_muon.megatron_lm import corpus  # noqa: E402
 from megatron_muon.megatron_lm.launch import prepare  # noqa: E402
@@ -203,8 +200,6 @@ def shut_down_process_groups() -> None:
     group destroyed. ``pretrain()`` returns with the groups alive; a gloo rank torn down by
     the interpreter with them alive aborts now and then ("terminate called without an active
     exception", SIGABRT), which fails a finished run."""
-    import torch
-
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
