@@ -39,8 +39,16 @@ standard NS is (measured in ``tests/unit/test_newton_schulz.py``):
 
 * **restart** every :data:`GRAM_RESTART_STEPS` steps: ``X = Q X_0`` is materialised in
   the compute dtype, ``R`` recomputed from it and ``Q`` reset to ``I`` (costs two
-  ``k x l`` products per restart; a cheaper ``R = Q R_0 Q^T`` restart was measured and
-  is far worse: ``R`` must be the Gram matrix of the ``X`` actually stored);
+  ``k x l`` products per restart). A restart from the ``k x k`` factors instead
+  (``Q_total <- Q Q_total``, ``R <- Q_total R_0 Q_total^T`` in fp32, ``X = Q_total X_0``
+  once at the end) would cut the FLOPs to 0.56x standard at aspect 4 and, with ``R_0``
+  kept in fp32, measured as close to fp32 as this restart on gaussian, low-rank and
+  ill-conditioned inputs (with ``R_0`` rounded to 16 bits: up to 35x farther). It was
+  rejected: rounding leaves ``R_0`` of a rank-deficient matrix with tiny negative
+  eigenvalues, which every step multiplies by ``a^2`` and which a factor restart keeps,
+  so after 6-8 steps ``R`` diverges (inf/NaN for ten deepseek_v4 steps on a rank-8
+  matrix, even in fp32). ``R`` recomputed from the stored ``X`` is positive semidefinite
+  again (``test_gram_16bit_rank_deficient_many_steps``);
 * with a 16-bit compute dtype it computes in **fp16**, whatever the 16-bit type asked
   for: every value it forms is bounded (``X`` normalised, entries of ``R`` <= 1, of ``Q``
   <= ~41 thanks to the restart), so fp16's range suffices, and its 10-bit mantissa (bf16:
