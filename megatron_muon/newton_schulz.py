@@ -43,7 +43,7 @@ standard NS is (measured in ``tests/unit/test_newton_schulz.py``):
   (``Q_total <- Q Q_total``, ``R <- Q_total R_0 Q_total^T`` in fp32, ``X = Q_total X_0``
   once at the end) would cut the FLOPs to 0.56x standard at aspect 4 and, with ``R_0``
   kept in fp32, measured as close to fp32 as this restart on gaussian, low-rank and
-  ill-conditioned inputs (with ``R_0`` rounded to 16 bits: up to 35x farther). It was
+  ill-conditioned inputs (with ``R_0`` rounded to 16 bits: up to 30x farther). It was
   rejected: rounding leaves ``R_0`` of a rank-deficient matrix with tiny negative
   eigenvalues, which every step multiplies by ``a^2`` and which a factor restart keeps,
   so after 6-8 steps ``R`` diverges (inf/NaN for ten deepseek_v4 steps on a rank-8
