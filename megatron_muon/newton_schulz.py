@@ -74,12 +74,10 @@ import torch
 __all__ = [
     "COEFFICIENT_SETS",
     "CoefficientSet",
-    "GRAM_FACTOR_RESTART_MAX_GROWTH",
     "GRAM_MIN_ASPECT",
     "GRAM_RESTART_STEPS",
     "NS_METHODS",
     "choose_method",
-    "gram_growth",
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_coefficients",
@@ -95,17 +93,6 @@ GRAM_RESTART_STEPS = 3
 steps. With 5 quintic steps, restarting after 3 kept the bf16 result closest to fp32 on
 gaussian, low-rank and ill-conditioned inputs (after 2: ~2x the error on ill-conditioned
 ones; never: up to 15x); ``Q`` then stays below 3.4445^3 ~ 41."""
-
-GRAM_FACTOR_RESTART_MAX_GROWTH = 1e7
-"""Gram NS restarts from the ``k x k`` factors (``R = Q_total R_0 Q_total^T``, the wide
-matrix read twice in all) when the schedule's :func:`gram_growth` is at most this, and
-from the materialised ``X`` (two more wide products per restart) otherwise. Rounding
-leaves ``R_0`` with eigenvalues of either sign around zero (measured |min| <= 3e-8 on the
-quick shapes, 3e-9 at 448 x 14336), which grow by ``a^2`` per step; a factor restart keeps
-them, so past a growth of ~1e9 (ten deepseek_v4 steps: 3e9) rank-deficient inputs went to
-inf/NaN even in fp32, while quintic up to 7 steps (3.3e7) and polar_express 6 steps
-(6e6) stayed as close to fp32 as the materialising restart (within 1.5x) and closer than
-bf16 standard NS. Five quintic steps: 2.3e5."""
 
 GRAM_MIN_ASPECT = 3.0
 """``method="auto"`` uses Gram NS for matrices with ``max(m, n) / min(m, n) >=`` this.
@@ -263,81 +250,29 @@ def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: tor
     return X.to(G.dtype)
 
 
-def _gram_segment(R: torch.Tensor, segment: Tuple[Triple, ...]) -> torch.Tensor:
-    """``Q = P_L ... P_1`` over one restart segment, starting from the Gram matrix ``R`` of
-    the segment's ``X`` (``P = a I + b R + c R^2``, ``R <- P R P`` between steps)."""
-    fma = torch.baddbmm if R.ndim == 3 else torch.addmm
-    Q: Optional[torch.Tensor] = None
-    for i, (a, b, c) in enumerate(segment):
-        # P = a I + Z is never formed: a*I folds into each product's scale-and-add
-        # (one rounding per product, as in the standard kernel).
-        Z = fma(R, R, R, beta=b, alpha=c)  # b*R + c*R@R
-        if Q is None:  # Q starts as I: the first step's product is free
-            Q = Z.clone()
-            Q.diagonal(dim1=-2, dim2=-1).add_(a)
-        else:
-            Q = fma(Q, Z, Q, beta=a)  # P Q
-        if i + 1 < len(segment):  # the last step of a segment needs no R
-            PR = fma(R, Z, R, beta=a)  # P R
-            R = fma(PR, PR, Z, beta=a)  # P R P
-    assert Q is not None, "a segment has at least one step"
-    return Q
-
-
-def _segments(schedule: Tuple[Triple, ...]) -> Tuple[Tuple[Triple, ...], ...]:
-    """The schedule cut into restart segments of :data:`GRAM_RESTART_STEPS` steps."""
-    return tuple(schedule[i : i + GRAM_RESTART_STEPS] for i in range(0, len(schedule), GRAM_RESTART_STEPS))
-
-
-def gram_growth(schedule: Tuple[Triple, ...]) -> float:
-    """``prod(a^2)`` over the schedule: how much the eigenvalues of ``R`` near zero grow,
-    the rounding noise around zero included (either sign)."""
-    growth = 1.0
-    for a, _, _ in schedule:
-        growth *= a * a
-    return growth
-
-
-def _uses_factor_restart(schedule: Tuple[Triple, ...]) -> bool:
-    """Whether Gram NS restarts from the ``k x k`` factors (cheap) rather than from the
-    materialised ``X`` (:data:`GRAM_FACTOR_RESTART_MAX_GROWTH`)."""
-    return gram_growth(schedule) <= GRAM_FACTOR_RESTART_MAX_GROWTH
-
-
-def _gram_factor_restarts(X: torch.Tensor, schedule: Tuple[Triple, ...]) -> torch.Tensor:
-    """Gram NS restarting from the fp32 factors: ``Q_total <- Q Q_total`` and
-    ``R <- Q_total R_0 Q_total^T``, so the wide ``X`` is read twice in all: for ``R_0`` and
-    for ``Q_total X`` at the end. ``Q_total`` stays within fp16's range since its largest
-    eigenvalue is at most ``sqrt(gram_growth) <= ~3.2e3``."""
-    # R_0 in fp32 from the 16-bit X (products of 16-bit values are exact in fp32): R
-    # squares the singular values, and rounding R_0 to 16 bits, amplified by Q_total at
-    # every restart, measured up to 30x farther from fp32 NS.
-    R0 = X.float() @ X.float().mT
-    total: Optional[torch.Tensor] = None
-    for segment in _segments(schedule):
-        R = R0 if total is None else total @ R0 @ total.mT
-        Q = _gram_segment(R.to(X.dtype), segment).float()
-        total = Q if total is None else Q @ total
-    assert total is not None, "the schedule has at least one step"
-    return total.to(X.dtype) @ X
-
-
-def _gram_materialising_restarts(X: torch.Tensor, schedule: Tuple[Triple, ...]) -> torch.Tensor:
-    """Gram NS restarting from the materialised ``X = Q X``, whose Gram matrix ``R`` is
-    recomputed (two wide products per segment): rounding noise in ``R`` is reset."""
-    for segment in _segments(schedule):
-        X = _gram_segment(X @ X.mT, segment) @ X
-    return X
-
-
 def _gram_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
     """Gram Newton–Schulz: iterate on ``R = X X^T`` and the accumulated ``Q`` (module
     docstring), restarting every :data:`GRAM_RESTART_STEPS` steps."""
     dtype = torch.float32 if compute_dtype == torch.float32 else torch.float16
     X, tall = _normalised_wide(G, dtype, eps)
-    if schedule:
-        restarts = _gram_factor_restarts if _uses_factor_restart(schedule) else _gram_materialising_restarts
-        X = restarts(X, schedule)
+    fma = torch.baddbmm if X.ndim == 3 else torch.addmm
+    for start in range(0, len(schedule), GRAM_RESTART_STEPS):
+        segment = schedule[start : start + GRAM_RESTART_STEPS]
+        R = X @ X.mT
+        Q: Optional[torch.Tensor] = None
+        for i, (a, b, c) in enumerate(segment):
+            # P = a I + Z is never formed: a*I folds into each product's scale-and-add
+            # (one rounding per product, as in the standard kernel).
+            Z = fma(R, R, R, beta=b, alpha=c)  # b*R + c*R@R
+            if Q is None:  # Q starts as I: the first step's product is free
+                Q = Z.clone()
+                Q.diagonal(dim1=-2, dim2=-1).add_(a)
+            else:
+                Q = fma(Q, Z, Q, beta=a)  # P Q
+            if i + 1 < len(segment):  # the last step of a segment needs no R
+                PR = fma(R, Z, R, beta=a)  # P R
+                R = fma(PR, PR, Z, beta=a)  # P R P
+        X = Q @ X
     if tall:
         X = X.mT
     return X.to(G.dtype)
@@ -400,42 +335,24 @@ def newton_schulz(
     return kernel(G, schedule, compute_dtype, eps)
 
 
-def newton_schulz_flops(
-    m: int,
-    n: int,
-    steps: int = 5,
-    batch: int = 1,
-    method: str = "standard",
-    coefficients: Union[str, CoefficientSet] = "quintic",
-) -> int:
+def newton_schulz_flops(m: int, n: int, steps: int = 5, batch: int = 1, method: str = "standard") -> int:
     """Floating-point operations of one :func:`newton_schulz` call on ``batch`` ``m x n`` matrices.
 
     Counts only the matmuls, two FLOPs per multiply-add, with ``k = min(m, n)`` and
     ``l = max(m, n)``; the elementwise terms and the normalisation are ``O(k l)`` and left
-    out. Symmetric in ``(m, n)`` since tall inputs are transposed. ``coefficients`` matter
-    for Gram NS only (they pick its restart, :data:`GRAM_FACTOR_RESTART_MAX_GROWTH`).
+    out. Symmetric in ``(m, n)`` since tall inputs are transposed.
 
     * standard, per step: ``X X^T`` (``2 k^2 l``), ``A A`` (``2 k^3``), ``B X`` (``2 k^2 l``);
-    * gram, per restart segment of ``L`` steps ``4 L - 3`` square products (``2 k^3``
-      each): ``R R`` every step, ``P Q`` from the second step on, ``P R P`` on all but
-      the last; restarting from the factors, ``R_0`` and ``Q_total X`` once (``2 k^2 l``
-      each) and three square products per restart (``Q_total R_0 Q_total^T``,
-      ``Q Q_total``); restarting from ``X``, ``R = X X^T`` and ``X = Q X`` per segment.
-
-    ``test_flops_match_executed_matmuls`` checks these counts against the matmuls the
-    kernels run (``torch.utils.flop_counter.FlopCounterMode``).
+    * gram, per restart segment of ``L`` steps: ``R = X X^T`` and ``X = Q X`` (``2 k^2 l``
+      each) and ``4 L - 3`` square products (``2 k^3`` each): ``R R`` every step, ``P Q``
+      from the second step on, ``P R P`` on all but the last.
     """
     k, l = min(m, n), max(m, n)
     method = choose_method(m, n, method)
     if method == "standard":
         return batch * steps * (4 * k * k * l + 2 * k**3)
-    schedule = resolve_coefficients(coefficients).schedule(steps)
-    if not schedule:
-        return 0
-    segments = _segments(schedule)
-    squares = sum(4 * len(segment) - 3 for segment in segments)
-    if _uses_factor_restart(schedule):
-        total = 2 * (2 * k * k * l) + (squares + 3 * (len(segments) - 1)) * 2 * k**3
-    else:
-        total = len(segments) * 2 * (2 * k * k * l) + squares * 2 * k**3
+    total = 0
+    for start in range(0, steps, GRAM_RESTART_STEPS):
+        length = min(GRAM_RESTART_STEPS, steps - start)
+        total += 4 * k * k * l + (4 * length - 3) * 2 * k**3
     return batch * total
