@@ -39,8 +39,17 @@ standard NS is (measured in ``tests/unit/test_newton_schulz.py``):
 
 * **restart** every :data:`GRAM_RESTART_STEPS` steps: ``X = Q X_0`` is materialised in
   the compute dtype, ``R`` recomputed from it and ``Q`` reset to ``I`` (costs two
-  ``k x l`` products per restart; a cheaper ``R = Q R_0 Q^T`` restart was measured and
-  is far worse: ``R`` must be the Gram matrix of the ``X`` actually stored);
+  ``k x l`` products per restart). A restart from the ``k x k`` factors instead
+  (``Q_total <- Q Q_total``, ``R <- Q_total R_0 Q_total^T``, ``X = Q_total X_0`` once at
+  the end; 0.56x standard FLOPs at aspect 4 instead of 0.67x) was measured and not
+  taken: with ``R_0`` rounded to 16 bits it was up to 30x farther from fp32 NS (``R``
+  squares the singular values); with ``R_0`` in fp32 it was as close as this restart but
+  1.0-1.5x *slower* than standard NS on the CPU quick shapes (an fp32 GEMM runs 6x
+  slower than an fp16 one there, as on GPUs without an fp16-in/fp32-out GEMM); and it
+  keeps the rounding noise of ``R_0`` around zero, of either sign, which every step
+  multiplies by ``a^2``: ten deepseek_v4 steps on a rank-8 matrix went to inf/NaN, even
+  in fp32. ``R`` recomputed from the stored ``X`` is positive semidefinite again
+  (``test_gram_16bit_rank_deficient_many_steps``);
 * with a 16-bit compute dtype it computes in **fp16**, whatever the 16-bit type asked
   for: every value it forms is bounded (``X`` normalised, entries of ``R`` <= 1, of ``Q``
   <= ~41 thanks to the restart), so fp16's range suffices, and its 10-bit mantissa (bf16:
