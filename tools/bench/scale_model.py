@@ -86,6 +86,8 @@ class Cluster:
     mfu: float = 0.4
     grad_reduce_in_fp32: bool = True
     overlap_grad_reduce: bool = True
+    muon: Tuple[Tuple[str, Any], ...] = ()
+    """``MuonConfig`` settings of the run beyond its defaults, as (name, value) pairs."""
 
     def __post_init__(self) -> None:
         self.etp = self.etp or self.tp
@@ -106,12 +108,19 @@ class Cluster:
             return None
         return max(40_000_000, 1_000_000 * self.dp)
 
+    def muon_config(self, **kwargs):
+        """The run's ``MuonConfig``: defaults, then :attr:`muon`, then ``kwargs``."""
+        from megatron_muon import MuonConfig
+
+        return MuonConfig(lr=1e-3, **{**dict(self.muon), **kwargs})
+
     def node(self, index: int) -> int:
         return index // self.gpus_per_node
 
     def describe(self) -> str:
+        muon = "".join(f", {k}={v}" for k, v in self.muon)
         return (f"{self.gpus} GPUs ({self.gpus // self.gpus_per_node} nodes of {self.gpus_per_node}): TP{self.tp} x "
-                f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}")
+                f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}{muon}")
 
 
 SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
@@ -121,6 +130,10 @@ SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
                           "TP1, EP8 (the recipe's) inside a node, DP128 / expert DP16 over 16 nodes"),
     "deepseek_v3": ("deepseek_v3", Cluster(gpus=2048, tp=1, pp=16, ep=64),
                     "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2"),
+    "deepseek_v3_gram_glu": (
+        "deepseek_v3", Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"), ("muon_split_glu", True))),
+        "the same layout with two non-default Muon settings: Gram Newton–Schulz where the aspect ratio pays "
+        "(muon_ns_method='auto') and the gate and up halves of every gated fc1 as two matrices (muon_split_glu)"),
 }
 
 
@@ -202,11 +215,10 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
 
 def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str,
                owner_layout: bool) -> None:
-    from megatron_muon import MuonConfig
     from megatron_muon.planner import OrthoGroup, build_plan
     from megatron_muon.dp_ranges import dp_ranges_in_layout
 
-    cfg = MuonConfig(lr=1e-3, muon_tp_mode=mode)
+    cfg = c.muon_config(muon_tp_mode=mode)
     for expert in (False, True):
         size, n = (c.etp, c.edp) if expert else (c.tp, c.dp)
         chosen = [sp for sp in params if sp.is_matrix and sp.expert == expert and not sp.router]
@@ -243,16 +255,16 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
 
 def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
     """Our owner-aligned layout (``megatron_muon.buffer_layout``) of the stage's params."""
-    from megatron_muon import MuonConfig
     from megatron_muon.buffer_layout import compute_full_param_layout, muon_param_flops, tag_muon_params
 
-    cfg = MuonConfig(lr=1e-3)
+    cfg = c.muon_config()
     flops = {}
     for sp in params:
         if hasattr(sp.param, "is_managed_by_layer_wise_optimizer"):
             del sp.param.is_managed_by_layer_wise_optimizer
         if sp.is_matrix and not sp.router:
-            flops[sp.param] = muon_param_flops(_logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS)
+            flops[sp.param] = muon_param_flops(_logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS,
+                                              cfg.muon_ns_method)
     tag_muon_params(list(flops))
     per_node = (max(1, c.gpus_per_node // c.tp), max(1, c.gpus_per_node // (c.etp * c.ep)))
     return compute_full_param_layout([sp.param for sp in params], flops, bucket, c.dp,
