@@ -217,6 +217,7 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
                owner_layout: bool) -> None:
     from megatron_muon.planner import OrthoGroup, build_plan
     from megatron_muon.dp_ranges import dp_ranges_in_layout
+    from megatron_muon.split_newton_schulz import SplitCost
 
     cfg = c.muon_config(muon_tp_mode=mode)
     for expert in (False, True):
@@ -232,8 +233,14 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
         # Group ranks in global-rank order, as build_ortho_group orders them.
         coords = [(t, d) for d in range(n) for t in range(size)]
         group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n)
+        # Split NS is priced at this cluster's rates and rank placement (expert-parallel rank 0).
+        flop_rate = c.peak_tflops * 1e12 * c.ns_efficiency
+        split_cost = SplitCost(flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
+                               flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency),
+                               lambda r, coords=coords, expert=expert: c.node(rank_of(c, expert, *coords[r])))
         plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel, holders_only=owner_layout,
-                          ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks)
+                          ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
+                          split_cost=split_cost)
         for i in range(c.tp * c.dp):
             t, d, _ = coords_of(c, expert, i)
             costs.flops[scheme][i] += plan.loads[d * size + t]
