@@ -392,12 +392,15 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
     rows = {}
     for scheme in SCHEMES:
         times, flops, intra, inter, ddp, buffers = [], [], [], [], [], []
-        critical = (0.0, float("nan"))  # (max-rank NS FLOPs, max/mean) of the busiest stage
-        for st in stages:
+        # (max-rank NS FLOPs, max/mean, stage) of the busiest stage: the one whose busiest
+        # rank has the most NS FLOPs, which differs between schemes (blockwise: the first
+        # stages' unsplit dense fc1; ours, exact: an MoE stage).
+        critical = (0.0, float("nan"), None)
+        for s, st in enumerate(stages):
             stage_flops = st.flops[scheme]
             mean = sum(stage_flops) / len(stage_flops)
             if mean and max(stage_flops) > critical[0]:
-                critical = (max(stage_flops), max(stage_flops) / mean)
+                critical = (max(stage_flops), max(stage_flops) / mean, s)
             for i in range(c.tp * c.dp):
                 f, a, b = stage_flops[i], st.intra[scheme][i], st.inter[scheme][i]
                 elem = st.elements[scheme][i] * ELEMENTWISE_BYTES["adamw" if scheme == "adamw" else "muon"] / hbm
@@ -417,7 +420,7 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
         total = sum(flops)
         rows[scheme] = dict(
             label=LABELS[scheme], ns_flops_total=total, ns_share_of_model=total / m.model_flops,
-            ns_flops_max_rank=max(flops), imbalance=critical[1],
+            ns_flops_max_rank=max(flops), imbalance=critical[1], busiest_stage=critical[2],
             intra_bytes_max_rank=max(intra), inter_bytes_max_rank=max(inter), ddp_bytes_max_rank=max(ddp),
             ddp_buffer_bytes_max_rank=max(buffers),
             step_ms=max(times) * 1e3, step_share_of_train=max(times) / train_step_s,
@@ -474,6 +477,13 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
+def _imbalance(row: Dict[str, Any], pp: int) -> Any:
+    """NS max/mean, with the busiest stage named when there are several."""
+    if pp == 1 or row.get("busiest_stage") is None:
+        return row["imbalance"]
+    return f"{row['imbalance']:.3f} (stage {row['busiest_stage']})"
+
+
 def markdown(data: Dict[str, Any]) -> str:
     parts = [common.provenance(data["env"]), ""]
     for name, p in data["predictions"].items():
@@ -486,7 +496,7 @@ def markdown(data: Dict[str, Any]) -> str:
             f"of it, links {c['intra_gbps']:.0f} / {c['inter_gbps']:.0f} GB/s intra / inter node at "
             f"{c['link_efficiency']:.0%}.\n")
         rows = [[r["label"], r["ns_flops_total"] / 1e12, r["ns_share_of_model"] * 100, r["ns_flops_max_rank"] / 1e12,
-                 r["imbalance"], common.human_bytes(r["intra_bytes_max_rank"]),
+                 _imbalance(r, c["pp"]), common.human_bytes(r["intra_bytes_max_rank"]),
                  common.human_bytes(r["inter_bytes_max_rank"]), common.human_bytes(r["ddp_bytes_max_rank"]),
                  common.human_bytes(r["ddp_buffer_bytes_max_rank"]), r["step_ms"], r["ratio"],
                  r["step_share_of_train"] * 100] for r in p["schemes"].values()]
