@@ -118,7 +118,7 @@ def muon_param_layout(
         return etp_size if not getattr(param, "allreduce", True) else tp_size
 
     muon_params, _ = collect_muon_params([model_chunk], config, tp_size_of)
-    flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps) for mp in muon_params}
+    flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps, config.muon_ns_method) for mp in muon_params}
     tag_muon_params(flops)
     params = [p for p in model_chunk.parameters() if p.requires_grad]
     return compute_full_param_layout(
@@ -127,10 +127,12 @@ def muon_param_layout(
     )
 
 
-def muon_param_flops(muon_param, ns_steps: int) -> int:
-    """Newton–Schulz FLOPs of all logical matrices of one parameter (full shapes)."""
+def muon_param_flops(muon_param, ns_steps: int, ns_method: str = "standard") -> int:
+    """Newton–Schulz FLOPs of all logical matrices of one parameter (full shapes), counted
+    for the iteration ``ns_method`` runs on each (as the planner counts them)."""
     return sum(
-        newton_schulz_flops(*m.ns_shape, ns_steps, batch=m.column_groups) for m in muon_param.matrices
+        newton_schulz_flops(*m.ns_shape, ns_steps, batch=m.column_groups, method=ns_method)
+        for m in muon_param.matrices
     )
 
 

@@ -111,6 +111,16 @@ class MuonConfig(OptimizerConfig):
     within a node), its columns split and its Gram matrix all-reduced each step
     (``megatron_muon.split_newton_schulz``). 1 turns splitting off."""
 
+    muon_split_ns_intra_flops_per_byte: float = 0.5 * 989.4e12 / (0.8 * 450e9)
+    """Split Newton–Schulz's price of a byte its blocking collectives send inside a node,
+    in the NS FLOPs a rank does meanwhile: the plan splits a matrix only where the FLOPs
+    saved outweigh these bytes. Default: an H100 SXM (NS at half of 989 TFLOP/s, NVLink
+    450 GB/s per direction at 80 %). 0 prices split NS by its FLOPs alone."""
+
+    muon_split_ns_inter_flops_per_byte: float = 0.5 * 989.4e12 / (0.8 * 50e9)
+    """As ``muon_split_ns_intra_flops_per_byte``, for a split group across nodes (default:
+    one 400 Gb/s NIC per GPU at 80 %)."""
+
     muon_comm_dtype: Optional[torch.dtype] = None
     """Dtype of the momentum and update pieces on the wire. None (default): the Newton–Schulz
     compute dtype ``muon_ns_dtype``, so fp32 Newton–Schulz is fp32 end to end and bf16
@@ -247,6 +257,10 @@ def config_problems(cfg: MuonConfig):
     split = cfg.muon_split_ns_max_ranks
     if isinstance(split, bool) or not isinstance(split, int) or split < 1 or split & (split - 1):
         yield f"muon_split_ns_max_ranks={split!r} is invalid; use a power of two >= 1 (1 = no split)."
+    for name in ("muon_split_ns_intra_flops_per_byte", "muon_split_ns_inter_flops_per_byte"):
+        value = getattr(cfg, name)
+        if _bad_number(value, 0.0, False):
+            yield f"{name}={value!r} is invalid; use a finite number >= 0 (0: split by FLOPs alone)."
     vr = cfg.muon_variance_reduction
     if vr is not None and (isinstance(vr, bool) or not isinstance(vr, (int, float)) or not 0.0 <= vr < 1.0):
         yield f"muon_variance_reduction={vr!r} is invalid; use beta2 in [0, 1), or None (off)."

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -44,6 +45,7 @@ from .pipeline import MuonPipeline, PipelineRun
 from .planner import Plan, build_plan, plan_statistics
 from .process_groups import build_ortho_group
 from .qk_clip import QKClip
+from .split_newton_schulz import SplitCost
 from .offload import OffloadedMomentum
 from .variants import SecondMoments, apply_update_
 
@@ -203,6 +205,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel,
             holders_only=self.owner_layout,
             ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
+            split_cost=self._split_cost(group),
         )
         self._check_plan_agrees(plan)
         my_dp = group.coords[group.rank][1]
@@ -225,6 +228,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             compiled=cfg.muon_use_torch_compile,
         )
         return plan, pipeline
+
+    def _split_cost(self, group) -> SplitCost:
+        """The price of split Newton–Schulz's bytes (the config's FLOPs per byte), with each
+        group rank's node from its global rank and the GPUs per node (``LOCAL_WORLD_SIZE``,
+        as torchrun sets it, else the visible GPUs, else 1)."""
+        cfg: MuonConfig = self.config
+        ranks = dist.get_process_group_ranks(group.group) if group.group is not None else list(range(group.size))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count() or 1
+        return SplitCost(cfg.muon_split_ns_intra_flops_per_byte, cfg.muon_split_ns_inter_flops_per_byte,
+                         lambda r: ranks[r] // per_node)
 
     def _check_plan_agrees(self, plan: Plan) -> None:
         """Every rank of the group must have derived the same plan (same model structure)."""

@@ -27,7 +27,7 @@ import torch
 
 from .matrices import Block, LogicalMatrix, MuonParam
 from .newton_schulz import newton_schulz_flops
-from .split_newton_schulz import place_split_jobs
+from .split_newton_schulz import SplitCost, place_split_jobs
 
 
 @dataclass(frozen=True)
@@ -263,15 +263,30 @@ def build_plan(
     holders_only: bool = False,
     ns_method: str = "standard",
     split_max_ranks: int = 1,
+    split_cost: Optional[SplitCost] = None,
 ) -> Plan:
-    """The ownership plan for ``params`` (identical on every rank of ``group``). Matrices
-    that alone exceed a rank's mean load are split over up to ``split_max_ranks`` ranks
-    (``split_newton_schulz.place_split_jobs``) before the rest are assigned;
-    ``holders_only``: see :func:`assign_owners`."""
-    jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
-    loads = place_split_jobs(jobs, group, split_max_ranks, ns_steps, holders_only)
-    chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only, loads)
-    return Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads)
+    """The ownership plan for ``params`` (identical on every rank of ``group``).
+
+    Matrices that alone exceed a rank's mean load may be split over up to
+    ``split_max_ranks`` ranks (``split_newton_schulz.place_split_jobs``) before the rest
+    are assigned. Split NS trades FLOPs for blocking all-reduces, so the plan is built three
+    ways (no split; splits chosen by FLOPs alone; splits priced by ``split_cost``, the
+    all-reduce bytes at their link class) and the one whose busiest rank has the fewest
+    FLOPs plus FLOP-equivalent split bytes (:meth:`SplitCost.rank_flops`) wins (ties: fewer
+    splits). ``holders_only``: see :func:`assign_owners`."""
+    split_cost = split_cost or SplitCost()
+    free = SplitCost(0.0, 0.0, split_cost.node_of)
+    candidates = [1] if split_max_ranks < 2 else [1, free, split_cost]
+    best: Optional[Tuple[float, Plan]] = None
+    for candidate in candidates:
+        jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
+        max_ranks = 1 if candidate == 1 else split_max_ranks
+        loads = place_split_jobs(jobs, group, max_ranks, ns_steps, holders_only, None if candidate == 1 else candidate)
+        chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only, loads)
+        bound = max(split_cost.rank_flops(jobs, loads, ns_steps), default=0.0)
+        if best is None or bound < best[0]:
+            best = (bound, Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads))
+    return best[1]
 
 
 def plan_statistics(plan: Plan) -> Dict[str, object]:

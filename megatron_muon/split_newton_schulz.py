@@ -32,14 +32,15 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .newton_schulz import resolve_coefficients
 
-__all__ = ["SplitNewtonSchulz", "member_flops", "place_split_jobs", "split_traffic"]
+__all__ = ["SplitCost", "SplitNewtonSchulz", "member_flops", "place_split_jobs", "split_traffic"]
 
 
 def member_flops(rows: int, cols: int, steps: int, ranks: int, batch: int = 1) -> int:
@@ -65,13 +66,58 @@ def split_traffic(rows: int, cols: int, steps: int, ranks: int, elem_bytes: int,
     )
 
 
-def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int, holders_only: bool = False) -> List[int]:
+@dataclass(frozen=True)
+class SplitCost:
+    """What split Newton–Schulz's blocking traffic costs, in the NS FLOPs a rank could have
+    done meanwhile: FLOPs per byte sent over an intra-node and an inter-node link, and the
+    node of each group rank (``MuonConfig.muon_split_ns_intra_flops_per_byte`` and
+    ``..._inter_...``; the defaults here, 0, price split NS by its FLOPs alone)."""
+
+    intra_flops_per_byte: float = 0.0
+    inter_flops_per_byte: float = 0.0
+    node_of: Callable[[int], int] = lambda group_rank: 0
+
+    def per_byte(self, members: Sequence[int]) -> float:
+        """FLOPs per byte at the link class of ``members``: intra-node if all share a node."""
+        one_node = len({self.node_of(r) for r in members}) == 1
+        return self.intra_flops_per_byte if one_node else self.inter_flops_per_byte
+
+    def flops(self, rows: int, cols: int, steps: int, members: Sequence[int], elem_bytes: int, batch: int = 1) -> float:
+        """Member FLOPs plus the FLOP-equivalent of the leader's blocking bytes (its scatter
+        of the blocks and its share of the all-reduces), at the link class of ``members``."""
+        nbytes = split_traffic(rows, cols, steps, len(members), elem_bytes, batch)
+        return (member_flops(rows, cols, steps, len(members), batch)
+                + self.per_byte(members) * (nbytes["scatter"] + nbytes["all_reduce"]))
+
+    def rank_flops(self, jobs: Sequence, loads: Sequence[int], steps: int, elem_bytes: int = 2) -> List[float]:
+        """Each rank's NS FLOPs ``loads`` plus the FLOP-equivalent of the blocking bytes it
+        sends for the split jobs among ``jobs``: what bounds the step, in one unit."""
+        priced = [float(x) for x in loads]
+        for job in jobs:
+            if not job.split:
+                continue
+            rows, cols = job.matrix.ns_shape
+            nbytes = split_traffic(rows, cols, steps, len(job.split), elem_bytes, job.matrix.column_groups)
+            per_byte = self.per_byte(job.split)
+            priced[job.split[0]] += per_byte * nbytes["scatter"]
+            for r in job.split:
+                priced[r] += per_byte * (nbytes["all_reduce"] + (nbytes["gather"] if r != job.split[0] else 0))
+        return priced
+
+
+def place_split_jobs(
+    jobs: Sequence, group, max_ranks: int, steps: int, holders_only: bool = False,
+    cost: Optional[SplitCost] = None, elem_bytes: int = 2,
+) -> List[int]:
     """Split the jobs that alone exceed a rank's mean Newton–Schulz load; return the loads.
 
-    A job whose FLOPs exceed ``total / ranks`` would bound the step on its own. It gets the
-    smallest power-of-two ``g <= max_ranks`` whose per-member cost (:func:`member_flops`)
-    fits under that mean (else the largest allowed), on the aligned block of ``g``
-    consecutive group ranks with the least load so far; its owner (leader) is the block's
+    A job whose FLOPs exceed ``total / ranks`` would bound the step on its own. For each
+    power-of-two ``g <= max_ranks`` it takes the aligned block of ``g`` consecutive group
+    ranks with the least load so far and prices it with ``cost`` (:class:`SplitCost`:
+    member FLOPs plus the blocking bytes at the block's link class, ``elem_bytes`` per
+    element of the blocks). It takes the smallest ``g`` whose price fits under the mean,
+    else the cheapest, and splits only if that price is below the unsplit job's FLOPs: a
+    split whose all-reduces take longer than the FLOPs they save is left whole. Its owner (leader) is the block's
     rank that holds most of the matrix. Sets ``job.split`` (leader first), ``job.owner`` and
     ``job.flops`` (per member); other jobs are left to ``assign_owners``. Only jobs any rank
     may own (exact mode) are split. ``holders_only`` (owner-aligned buffers): only blocks
@@ -79,6 +125,7 @@ def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int, holders_
     back stay where the buffer layout put the matrix.
     """
     loads = [0] * group.size
+    cost = cost or SplitCost()
     limit = min(max_ranks, group.size)
     if limit < 2:
         return loads
@@ -90,16 +137,21 @@ def place_split_jobs(jobs: Sequence, group, max_ranks: int, steps: int, holders_
             continue
         rows, cols = job.matrix.ns_shape
         batch = job.matrix.column_groups
-        g = 2
-        while g < limit and 2 * g <= max(rows, cols) and member_flops(rows, cols, steps, g, batch) > mean:
-            g *= 2
-        if g > limit or g > max(rows, cols):
-            continue
         held = job.held_elements(group)
-        blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
-        if holders_only:
-            blocks = [b for b in blocks if any(held.get(r, 0) for r in b)] or blocks
-        members = min(blocks, key=lambda b: (max(loads[r] for r in b), b[0]))
+        options = []  # (price, g, members)
+        g = 2
+        while g <= limit and g <= max(rows, cols):
+            blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
+            if holders_only:
+                blocks = [b for b in blocks if any(held.get(r, 0) for r in b)] or blocks
+            members = min(blocks, key=lambda b: (max(loads[r] for r in b), b[0]))
+            options.append((cost.flops(rows, cols, steps, members, elem_bytes, batch), g, members))
+            g *= 2
+        fitting = [o for o in options if o[0] <= mean]
+        best = fitting[0] if fitting else min(options, key=lambda o: (o[0], o[1]), default=None)
+        if best is None or best[0] >= job.flops:
+            continue
+        _, g, members = best
         leader = min(members, key=lambda r: (-held.get(r, 0), r))
         job.split = tuple([leader] + [r for r in members if r != leader])
         job.owner = leader

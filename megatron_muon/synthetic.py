@@ -19,6 +19,7 @@ from .config import MuonConfig
 from .dp_ranges import dp_ranges_in_layout
 from .matrices import MuonParam, ParamContext, logical_matrices
 from .planner import OrthoGroup, Plan, build_plan
+from .split_newton_schulz import SplitCost
 
 
 class ShapeOnlyLinear(torch.nn.Module):
@@ -53,8 +54,10 @@ def synthetic_plan(
     config: MuonConfig,
     tp_size: int,
     dp_size: int,
+    gpus_per_node: Optional[int] = None,
 ) -> Plan:
-    """The plan one orthogonalization group (``tp_size`` x ``dp_size`` ranks) would run."""
+    """The plan one orthogonalization group (``tp_size`` x ``dp_size`` ranks) would run,
+    its ranks ``gpus_per_node`` to a node in group order (None: all on one node)."""
     params, muon_params = [], []
     for spec in shapes:
         param = torch.nn.Parameter(torch.empty(spec.shape, device="meta"))
@@ -80,6 +83,9 @@ def synthetic_plan(
         config.muon_chunk_numel,
         ns_method=config.muon_ns_method,
         split_max_ranks=config.muon_split_ns_max_ranks,
+        # One node holds the group's ranks up to gpus_per_node (default: all).
+        split_cost=SplitCost(config.muon_split_ns_intra_flops_per_byte, config.muon_split_ns_inter_flops_per_byte,
+                             lambda r: r // gpus_per_node if gpus_per_node else 0),
     )
 
 

@@ -365,7 +365,9 @@ def test_plan_splits_the_matrix_that_bounds_the_step():
     model = SimpleNamespace(gated_linear_unit=False, hidden_size=256)
 
     def plan(**cfg):
-        return synthetic_plan(shapes, model, MuonConfig(lr=1e-3, **cfg), 1, 16)
+        # Links priced at 0: these tiny matrices are split by their FLOPs alone.
+        free = dict(muon_split_ns_intra_flops_per_byte=0.0, muon_split_ns_inter_flops_per_byte=0.0)
+        return synthetic_plan(shapes, model, MuonConfig(lr=1e-3, **{**free, **cfg}), 1, 16)
 
     unsplit, split = plan_statistics(plan(muon_split_ns_max_ranks=1)), plan(muon_split_ns_max_ranks=8)
     stats = plan_statistics(split)

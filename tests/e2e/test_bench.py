@@ -83,6 +83,24 @@ def test_scale_model_bytes_match_the_counted_bytes(out, measured):
     assert data["validation"]["ok"] and (out / "scale_model.md").exists()
 
 
+@pytest.mark.timeout(200)
+def test_scale_model_splits_only_where_it_shortens_the_step():
+    """The planner's priced split rule, through the scale model: Llama 3 8B / 64 GPUs is
+    predicted no slower than without split Newton–Schulz, Moonlight / 128 faster."""
+    from dataclasses import replace
+
+    from tools.bench import model_shapes
+
+    for name in ("llama3_8b", "moonlight_16b_a3b"):
+        recipe, cluster, _ = scale_model.SCENARIOS[name]
+        m = model_shapes.from_recipe(recipe, cluster.gpus, cluster.tp, cluster.pp, cluster.ep, cluster.etp)
+        split = scale_model.predict(m, cluster)["schemes"]["ours_exact"]["step_ms"]
+        unsplit = scale_model.predict(m, replace(cluster, muon=(("muon_split_ns_max_ranks", 1),)))
+        assert split <= unsplit["schemes"]["ours_exact"]["step_ms"], (name, split, unsplit)
+        if name == "moonlight_16b_a3b":
+            assert split < 0.95 * unsplit["schemes"]["ours_exact"]["step_ms"]
+
+
 @pytest.mark.timeout(120)
 def test_newton_schulz_quick(out):
     data = newton_schulz.main(["--quick", "--device", "cpu", "--out", str(out)])

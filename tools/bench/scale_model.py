@@ -86,6 +86,8 @@ class Cluster:
     mfu: float = 0.4
     grad_reduce_in_fp32: bool = True
     overlap_grad_reduce: bool = True
+    muon: Tuple[Tuple[str, Any], ...] = ()
+    """``MuonConfig`` settings of the run beyond its defaults, as (name, value) pairs."""
 
     def __post_init__(self) -> None:
         self.etp = self.etp or self.tp
@@ -106,12 +108,19 @@ class Cluster:
             return None
         return max(40_000_000, 1_000_000 * self.dp)
 
+    def muon_config(self, **kwargs):
+        """The run's ``MuonConfig``: defaults, then :attr:`muon`, then ``kwargs``."""
+        from megatron_muon import MuonConfig
+
+        return MuonConfig(lr=1e-3, **{**dict(self.muon), **kwargs})
+
     def node(self, index: int) -> int:
         return index // self.gpus_per_node
 
     def describe(self) -> str:
+        muon = "".join(f", {k}={v}" for k, v in self.muon)
         return (f"{self.gpus} GPUs ({self.gpus // self.gpus_per_node} nodes of {self.gpus_per_node}): TP{self.tp} x "
-                f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}")
+                f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}{muon}")
 
 
 SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
@@ -121,6 +130,10 @@ SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
                           "TP1, EP8 (the recipe's) inside a node, DP128 / expert DP16 over 16 nodes"),
     "deepseek_v3": ("deepseek_v3", Cluster(gpus=2048, tp=1, pp=16, ep=64),
                     "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2"),
+    "deepseek_v3_gram_glu": (
+        "deepseek_v3", Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"), ("muon_split_glu", True))),
+        "the same layout with two non-default Muon settings: Gram Newton–Schulz where the aspect ratio pays "
+        "(muon_ns_method='auto') and the gate and up halves of every gated fc1 as two matrices (muon_split_glu)"),
 }
 
 
@@ -202,11 +215,11 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
 
 def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str,
                owner_layout: bool) -> None:
-    from megatron_muon import MuonConfig
     from megatron_muon.planner import OrthoGroup, build_plan
     from megatron_muon.dp_ranges import dp_ranges_in_layout
+    from megatron_muon.split_newton_schulz import SplitCost
 
-    cfg = MuonConfig(lr=1e-3, muon_tp_mode=mode)
+    cfg = c.muon_config(muon_tp_mode=mode)
     for expert in (False, True):
         size, n = (c.etp, c.edp) if expert else (c.tp, c.dp)
         chosen = [sp for sp in params if sp.is_matrix and sp.expert == expert and not sp.router]
@@ -220,8 +233,14 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
         # Group ranks in global-rank order, as build_ortho_group orders them.
         coords = [(t, d) for d in range(n) for t in range(size)]
         group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n)
+        # Split NS is priced at this cluster's rates and rank placement (expert-parallel rank 0).
+        flop_rate = c.peak_tflops * 1e12 * c.ns_efficiency
+        split_cost = SplitCost(flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
+                               flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency),
+                               lambda r, coords=coords, expert=expert: c.node(rank_of(c, expert, *coords[r])))
         plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel, holders_only=owner_layout,
-                          ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks)
+                          ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
+                          split_cost=split_cost)
         for i in range(c.tp * c.dp):
             t, d, _ = coords_of(c, expert, i)
             costs.flops[scheme][i] += plan.loads[d * size + t]
@@ -243,16 +262,16 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
 
 def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
     """Our owner-aligned layout (``megatron_muon.buffer_layout``) of the stage's params."""
-    from megatron_muon import MuonConfig
     from megatron_muon.buffer_layout import compute_full_param_layout, muon_param_flops, tag_muon_params
 
-    cfg = MuonConfig(lr=1e-3)
+    cfg = c.muon_config()
     flops = {}
     for sp in params:
         if hasattr(sp.param, "is_managed_by_layer_wise_optimizer"):
             del sp.param.is_managed_by_layer_wise_optimizer
         if sp.is_matrix and not sp.router:
-            flops[sp.param] = muon_param_flops(_logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS)
+            flops[sp.param] = muon_param_flops(_logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS,
+                                              cfg.muon_ns_method)
     tag_muon_params(list(flops))
     per_node = (max(1, c.gpus_per_node // c.tp), max(1, c.gpus_per_node // (c.etp * c.ep)))
     return compute_full_param_layout([sp.param for sp in params], flops, bucket, c.dp,
@@ -373,12 +392,15 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
     rows = {}
     for scheme in SCHEMES:
         times, flops, intra, inter, ddp, buffers = [], [], [], [], [], []
-        critical = (0.0, float("nan"))  # (max-rank NS FLOPs, max/mean) of the busiest stage
-        for st in stages:
+        # (max-rank NS FLOPs, max/mean, stage) of the busiest stage: the one whose busiest
+        # rank has the most NS FLOPs, which differs between schemes (blockwise: the first
+        # stages' unsplit dense fc1; ours, exact: an MoE stage).
+        critical = (0.0, float("nan"), None)
+        for s, st in enumerate(stages):
             stage_flops = st.flops[scheme]
             mean = sum(stage_flops) / len(stage_flops)
             if mean and max(stage_flops) > critical[0]:
-                critical = (max(stage_flops), max(stage_flops) / mean)
+                critical = (max(stage_flops), max(stage_flops) / mean, s)
             for i in range(c.tp * c.dp):
                 f, a, b = stage_flops[i], st.intra[scheme][i], st.inter[scheme][i]
                 elem = st.elements[scheme][i] * ELEMENTWISE_BYTES["adamw" if scheme == "adamw" else "muon"] / hbm
@@ -398,7 +420,7 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
         total = sum(flops)
         rows[scheme] = dict(
             label=LABELS[scheme], ns_flops_total=total, ns_share_of_model=total / m.model_flops,
-            ns_flops_max_rank=max(flops), imbalance=critical[1],
+            ns_flops_max_rank=max(flops), imbalance=critical[1], busiest_stage=critical[2],
             intra_bytes_max_rank=max(intra), inter_bytes_max_rank=max(inter), ddp_bytes_max_rank=max(ddp),
             ddp_buffer_bytes_max_rank=max(buffers),
             step_ms=max(times) * 1e3, step_share_of_train=max(times) / train_step_s,
@@ -455,6 +477,13 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
+def _imbalance(row: Dict[str, Any], pp: int) -> Any:
+    """NS max/mean, with the busiest stage named when there are several."""
+    if pp == 1 or row.get("busiest_stage") is None:
+        return row["imbalance"]
+    return f"{row['imbalance']:.3f} (stage {row['busiest_stage']})"
+
+
 def markdown(data: Dict[str, Any]) -> str:
     parts = [common.provenance(data["env"]), ""]
     for name, p in data["predictions"].items():
@@ -467,7 +496,7 @@ def markdown(data: Dict[str, Any]) -> str:
             f"of it, links {c['intra_gbps']:.0f} / {c['inter_gbps']:.0f} GB/s intra / inter node at "
             f"{c['link_efficiency']:.0%}.\n")
         rows = [[r["label"], r["ns_flops_total"] / 1e12, r["ns_share_of_model"] * 100, r["ns_flops_max_rank"] / 1e12,
-                 r["imbalance"], common.human_bytes(r["intra_bytes_max_rank"]),
+                 _imbalance(r, c["pp"]), common.human_bytes(r["intra_bytes_max_rank"]),
                  common.human_bytes(r["inter_bytes_max_rank"]), common.human_bytes(r["ddp_bytes_max_rank"]),
                  common.human_bytes(r["ddp_buffer_bytes_max_rank"]), r["step_ms"], r["ratio"],
                  r["step_share_of_train"] * 100] for r in p["schemes"].values()]
