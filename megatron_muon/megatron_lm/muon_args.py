@@ -157,7 +157,8 @@ def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = F
             continue
         default = _default(f)
         flag = flag_name(f.name)
-        help_text = docs.get(f.name, "")
+        # argparse %-formats help strings; a docstring's "80 %" must reach it as "80 %%".
+        help_text = docs.get(f.name, "").replace("%", "%%")
         if kind == "bool":
             short = f.name[len("muon_"):].replace("_", "-")
             negatives = [f"--no-{flag[2:]}", f"--muon-no-{short}"]
