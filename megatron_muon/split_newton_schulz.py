@@ -117,8 +117,10 @@ def place_split_jobs(
     member FLOPs plus the blocking bytes at the block's link class, ``elem_bytes`` per
     element of the blocks). It takes the smallest ``g`` whose price fits under the mean,
     else the cheapest, and splits only if that price is below the unsplit job's FLOPs: a
-    split whose all-reduces take longer than the FLOPs they save is left whole. Its owner (leader) is the block's
-    rank that holds most of the matrix. Sets ``job.split`` (leader first), ``job.owner`` and
+    split whose all-reduces take longer than the FLOPs they save is left whole. Among the
+    least-loaded blocks it takes the one holding most of the matrix (a matrix larger than a
+    node's DP shards then crosses nodes only for the part outside the block's node). Its
+    owner (leader) is the block's rank that holds most of the matrix. Sets ``job.split`` (leader first), ``job.owner`` and
     ``job.flops`` (per member); other jobs are left to ``assign_owners``. Only jobs any rank
     may own (exact mode) are split. ``holders_only`` (owner-aligned buffers): only blocks
     with a rank that holds some of the matrix, so the gather to the leader and the scatter
@@ -144,7 +146,9 @@ def place_split_jobs(
             blocks = [list(range(start, start + g)) for start in range(0, group.size - g + 1, g)]
             if holders_only:
                 blocks = [b for b in blocks if any(held.get(r, 0) for r in b)] or blocks
-            members = min(blocks, key=lambda b: (max(loads[r] for r in b), b[0]))
+            # Among the least-loaded blocks, the one holding most of the matrix: its pieces
+            # there never leave the block (one node), so the gather and scatter cross least.
+            members = min(blocks, key=lambda b: (max(loads[r] for r in b), -sum(held.get(r, 0) for r in b), b[0]))
             options.append((cost.flops(rows, cols, steps, members, elem_bytes, batch), g, members))
             g *= 2
         fitting = [o for o in options if o[0] <= mean]
