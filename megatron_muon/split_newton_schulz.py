@@ -11,8 +11,15 @@ The algebra is that of Megatron-core's "distributed" tensor-parallel Newton–Sc
 the wide orientation ``X = [X_1 | ... | X_g]`` cut into column blocks (the long side),
 ``X X^T = sum_i X_i X_i^T``, and every step's update ``X_i <- a X_i + (b A + c A A) X_i``
 needs only its own block and the small ``k x k`` matrix ``A``. So per step each member
-computes its block's Gram matrix, the group **all-reduces** it (in fp32: ``k^2`` elements),
-every member forms ``b A + c A A`` (redundantly: ``2 k^3`` FLOPs each) and updates its block.
+computes its block's Gram matrix, the group **all-reduces** it (in fp32) and every member
+updates its block (:func:`block_step`): through ``b A + c A A`` where the block is wider
+than ``A`` (``2 k^3`` FLOPs, redundantly on each member), else as ``b (A X_i) + c A (A
+X_i)``, two products with the narrow block instead (the large matrices that are split have
+blocks narrower than ``k``: DeepSeek-V3's attention out-projection over 8 ranks, 2048
+columns against ``k = 7168``, does 0.55x the FLOPs this way). ``A`` is
+symmetric, so only its block upper triangle travels (:func:`gram_upper_numel`: about 53%
+of ``k^2`` with :data:`GRAM_ROW_BLOCKS` row blocks) and each member mirrors the blocks
+below the diagonal blocks: the same fp32 sums of the same partial Grams.
 
 Communication around it (:class:`SplitNewtonSchulz`), inside the split group only:
 
@@ -40,29 +47,84 @@ import torch.distributed as dist
 
 from .newton_schulz import resolve_coefficients
 
-__all__ = ["SplitCost", "SplitNewtonSchulz", "member_flops", "place_split_jobs", "split_traffic"]
+__all__ = [
+    "SplitCost", "SplitNewtonSchulz", "block_step", "gram_upper_numel", "member_flops", "place_split_jobs",
+    "split_traffic",
+]
+
+GRAM_ROW_BLOCKS = 16
+"""Row blocks of the Gram matrix whose upper triangle the all-reduce sends: block row ``i``
+sends its columns from its own diagonal block on, ``(n + 1) / (2 n)`` of ``k^2`` in all
+(``n`` blocks: 53% at 16); more blocks send less but cost more small copies."""
+
+
+def _gram_row_blocks(k: int) -> List[Tuple[int, int]]:
+    """The (start, end) rows of the Gram matrix's row blocks (at most ``k`` blocks)."""
+    n = min(GRAM_ROW_BLOCKS, k)
+    bounds = [k * i // n for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def gram_upper_numel(k: int) -> int:
+    """Elements of a ``k x k`` Gram matrix that split Newton–Schulz all-reduces: each row
+    block from its diagonal to the last column."""
+    return sum((end - start) * (k - start) for start, end in _gram_row_blocks(k))
+
+
+def _pack_upper(A: torch.Tensor) -> torch.Tensor:
+    """The block upper triangle of ``A``, row block after row block, flat."""
+    return torch.cat([A[start:end, start:].reshape(-1) for start, end in _gram_row_blocks(A.size(0))])
+
+
+def _unpack_symmetric(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``A`` from :func:`_pack_upper`'s output: the block upper triangle in place, then each
+    row block's left part mirrored from the columns above it."""
+    A = packed.new_empty(k, k)
+    offset = 0
+    for start, end in _gram_row_blocks(k):
+        numel = (end - start) * (k - start)
+        A[start:end, start:] = packed[offset : offset + numel].view(end - start, k - start)
+        offset += numel
+    for start, end in _gram_row_blocks(k):
+        A[start:end, :start] = A[:start, start:end].mT
+    return A
+
+
+def block_step(X: torch.Tensor, A: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+    """One Newton–Schulz step of a member's ``k x w`` block: ``a X + (b A + c A A) X``.
+
+    Forms ``A A`` (``2 k^3`` FLOPs, then ``2 k^2 w``) only when the block is wider than
+    ``A`` is tall; a narrower block takes ``b (A X) + c A (A X)`` (``4 k^2 w``), the same
+    polynomial with no ``k x k`` product."""
+    if X.size(1) > X.size(0):
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        return torch.addmm(X, B, X, beta=a)
+    AX = A @ X
+    return torch.addmm(AX, A, AX, beta=b, alpha=c).add_(X, alpha=a)
 
 
 def member_flops(rows: int, cols: int, steps: int, ranks: int, batch: int = 1) -> int:
     """Newton–Schulz FLOPs of each of ``ranks`` members splitting ``batch`` ``rows x cols``
-    matrices: per step two ``k x (l/g)`` products with ``k = min``, ``l = max`` side, and the
-    redundant ``A A`` (``2 k^3``)."""
+    matrices (``k = min``, ``l = max`` side, blocks of ``w = l / g`` columns): per step the
+    block's Gram matrix (``2 k^2 w``) and :func:`block_step` (``2 k^3 + 2 k^2 w`` where
+    ``w > k``, else ``4 k^2 w``)."""
     k, l = min(rows, cols), max(rows, cols)
     width = math.ceil(l / ranks)
-    return batch * steps * (4 * k * k * width + 2 * k**3)
+    step = 2 * k**3 + 2 * k * k * width if width > k else 4 * k * k * width
+    return batch * steps * (2 * k * k * width + step)
 
 
 def split_traffic(rows: int, cols: int, steps: int, ranks: int, elem_bytes: int, batch: int = 1) -> Dict[str, int]:
     """Bytes one split job adds: ``scatter`` is what the leader sends (``g - 1`` of ``g``
     padded blocks in the compute dtype), ``gather`` what each other member sends back (one
-    block), ``all_reduce`` what each member sends in a ring all-reduce of ``A`` (fp32) over
-    all steps."""
+    block), ``all_reduce`` what each member sends in a ring all-reduce of ``A``'s block upper
+    triangle (fp32, :func:`gram_upper_numel`) over all steps."""
     k, l = min(rows, cols), max(rows, cols)
     block = k * math.ceil(l / ranks) * elem_bytes
     return dict(
         scatter=batch * (ranks - 1) * block,
         gather=batch * block,
-        all_reduce=batch * steps * 2 * (ranks - 1) * k * k * 4 // ranks,
+        all_reduce=batch * steps * (2 * (ranks - 1) * gram_upper_numel(k) * 4 // ranks),
     )
 
 
@@ -254,14 +316,14 @@ class SplitNewtonSchulz:
 
     def _iterate(self, X: torch.Tensor, group, g: int) -> torch.Tensor:
         """The steps on this member's block: ``A = sum over members of X_i X_i^T`` (one fp32
-        all-reduce), then ``X_i <- a X_i + (b A + c A A) X_i``."""
+        all-reduce of its block upper triangle), then :func:`block_step`."""
+        k = X.size(0)
         for a, b, c in self.schedule:
-            A = (X @ X.mT).float()
-            dist.all_reduce(A, group=group)
-            self.traffic["split_all_reduce"] += 2 * (g - 1) * A.numel() * 4 // g
-            A = A.to(self.ns_dtype)
-            B = torch.addmm(A, A, A, beta=b, alpha=c)
-            X = torch.addmm(X, B, X, beta=a)
+            packed = _pack_upper((X @ X.mT).float())
+            dist.all_reduce(packed, group=group)
+            self.traffic["split_all_reduce"] += 2 * (g - 1) * packed.numel() * 4 // g
+            A = _unpack_symmetric(packed, k).to(self.ns_dtype)
+            X = block_step(X, A, a, b, c)
         return X
 
     def _gather_blocks(self, X: torch.Tensor, G, l: int, g: int, group, src: int) -> Optional[torch.Tensor]:

@@ -115,7 +115,7 @@ def _split_runs():
     import torch.distributed as dist
 
     from megatron_muon.newton_schulz import newton_schulz
-    from megatron_muon.split_newton_schulz import SplitNewtonSchulz
+    from megatron_muon.split_newton_schulz import SplitNewtonSchulz, split_traffic
 
     out = train(SPLIT_MODEL, SPLIT_VARIANTS)
     rank = dist.get_rank()
@@ -130,6 +130,9 @@ def _split_runs():
                                jobs=[SimpleNamespace(split=members)])
         split = SplitNewtonSchulz(plan, 5, "polar_express", torch.float32)
         result = split.orthogonalize(G if rank == members[0] else None, shape, tuple(sorted(members)), members[0])
+        # The bytes counted are the ones the scale model prices (block upper triangle of A).
+        modelled = split_traffic(*shape, 5, len(members), 4)["all_reduce"]
+        assert split.traffic["split_all_reduce"] == modelled, (split.traffic, modelled)
         if rank == members[0]:
             exact = newton_schulz(G, 5, "polar_express", torch.float32)
             errors[f"{len(members)} ranks {shape}"] = ((result - exact).abs().max() / exact.abs().max()).item()
