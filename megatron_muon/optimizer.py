@@ -315,12 +315,18 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
 
     def start_param_sync_for_bucket_group_subset(self) -> None:
-        """Megatron's version skips buckets tagged ``is_managed_by_layer_wise_optimizer``
-        (they belong to its LayerWise optimizer); ours tags its owner-aligned Muon buffers the
-        same way and updates them itself, so every bucket group is synced here."""
+        """All-gather the parameters of the bucket groups this optimizer updates: those
+        built from its own buffers (dense or expert-parallel).
+
+        Megatron's version walks every bucket group of every model chunk, skipping only
+        those tagged ``is_managed_by_layer_wise_optimizer`` (its LayerWise optimizer's); ours
+        tags its owner-aligned Muon buffers the same way and updates them itself, so the tag
+        says nothing here. Walking every group would all-gather each one once per chained
+        optimizer: twice per step with experts."""
+        mine = {id(bucket) for buffer in self.buffers for bucket in buffer.buckets}
         for model_chunk in self.model_chunks:
             for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
-                if bucket_group.buckets:
+                if any(id(bucket) in mine for bucket in bucket_group.buckets):
                     model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
     # ------------------------------------------------------------------ the update, in parts

@@ -36,3 +36,37 @@ def test_owner_layout_sends_muon_pieces_only_inside_the_tp_group():
         assert r["groups"].get("tp", 0) == r["kinds"].get("all_to_all", 0) > 0
     assert not megatron[0]["owner"]
     assert sum(r["groups"].get("dp", 0) for r in megatron) > sum(r["groups"].get("dp", 0) for r in owner)
+
+
+def _moe_param_all_gather(layout: str):
+    """One MoE optimizer step (dense + expert optimizers chained): the parameter all-gather
+    bytes counted, and what one all-gather of every DDP buffer sends."""
+    import torch.distributed as dist
+
+    from megatron_muon.traffic import count_collectives
+    from tests.helpers.training import MBS, GBS, build
+
+    spec = M.TinyModelSpec(kind="moe", num_moe_experts=4)
+    _, model, opt, _ = build(spec, muon_buffer_layout=layout)
+    tokens = M.synthetic_batches(spec, GBS, 1)[0]
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    opt.zero_grad()
+    M.forward_backward(model, tokens, MBS, spec)
+    with count_collectives() as traffic:
+        opt.step()
+    once = 0
+    for chunk in model:
+        for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+            n = dist.get_world_size(buffer.data_parallel_group)
+            once += (n - 1) * buffer.param_data.numel() * buffer.param_data.element_size() // n
+    return dict(optimizers=len(opt.muon_optimizers), counted=traffic.bytes.get("all_gather", 0), once=once)
+
+
+@pytest.mark.timeout(300)
+def test_moe_parameters_are_all_gathered_once_per_step():
+    # Dense and expert optimizers share the model chunks; each all-gathers only the bucket
+    # groups of its own buffers (walking all of them gathered every group twice).
+    for layout in ("owner", "megatron"):
+        for r in run_distributed(_moe_param_all_gather, 4, layout, ep=2, timeout_s=250):
+            assert r["optimizers"] == 2 and r["counted"] == r["once"] > 0, (layout, r)
