@@ -9,12 +9,11 @@ from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
 
 
-def _count_step(layout: str):
-    """Bytes by process-group kind of one optimizer step of ours on DP2 x TP2."""
+def _counted_step(spec: M.TinyModelSpec, layout: str):
+    """``(model, optimizer, traffic)`` of one optimizer step of ours, its collectives counted."""
     from megatron_muon.traffic import count_collectives
     from tests.helpers.training import MBS, GBS, build
 
-    spec = M.TinyModelSpec(kind="gqa")
     _, model, opt, _ = build(spec, muon_buffer_layout=layout)
     tokens = M.synthetic_batches(spec, GBS, 1)[0]
     for chunk in model:
@@ -23,6 +22,12 @@ def _count_step(layout: str):
     M.forward_backward(model, tokens, MBS, spec)
     with count_collectives() as traffic:
         opt.step()
+    return model, opt, traffic
+
+
+def _count_step(layout: str):
+    """Bytes by process-group kind of one optimizer step of ours on DP2 x TP2."""
+    _, opt, traffic = _counted_step(M.TinyModelSpec(kind="gqa"), layout)
     return dict(kinds=dict(traffic.bytes), groups=dict(traffic.by_group), owner=opt.muon_optimizers[0].owner_layout)
 
 
@@ -43,18 +48,7 @@ def _moe_param_all_gather(layout: str):
     bytes counted, and what one all-gather of every DDP buffer sends."""
     import torch.distributed as dist
 
-    from megatron_muon.traffic import count_collectives
-    from tests.helpers.training import MBS, GBS, build
-
-    spec = M.TinyModelSpec(kind="moe", num_moe_experts=4)
-    _, model, opt, _ = build(spec, muon_buffer_layout=layout)
-    tokens = M.synthetic_batches(spec, GBS, 1)[0]
-    for chunk in model:
-        chunk.zero_grad_buffer()
-    opt.zero_grad()
-    M.forward_backward(model, tokens, MBS, spec)
-    with count_collectives() as traffic:
-        opt.step()
+    model, opt, traffic = _counted_step(M.TinyModelSpec(kind="moe", num_moe_experts=4), layout)
     once = 0
     for chunk in model:
         for buffer in chunk.buffers + chunk.expert_parallel_buffers:
