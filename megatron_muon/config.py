@@ -95,7 +95,11 @@ class MuonConfig(OptimizerConfig):
     muon_cpu_offload: bool = False
     """Keep the Muon momentum in (pinned, where CUDA is available) CPU memory; each
     pipeline chunk brings its momentum to the device just before its gather and writes it
-    back right after, the copies overlapped with other chunks on a side stream."""
+    back right after, the copies overlapped with other chunks on a side stream. With
+    Megatron's ``optimizer_cpu_offload`` (and ``optimizer_offload_fraction=1.0``) the fp32
+    master weights of the Muon matrices of bf16/fp16 models live in CPU memory too: the
+    update, weight decay and QK-Clip run on them there, and the master -> model copy
+    moves them to the device. AdamW's parameters keep their state on the device."""
 
     # --- distribution -------------------------------------------------------------------
     muon_tp_mode: str = "exact"
@@ -285,6 +289,13 @@ def config_problems(cfg: MuonConfig):
             f"muon_exclude_patterns={cfg.muon_exclude_patterns!r} is invalid; use a tuple of "
             "fnmatch patterns, e.g. ('*.linear_proj.weight',)."
         )
+    if cfg.optimizer_cpu_offload and not cfg.muon_cpu_offload:
+        yield ("optimizer_cpu_offload=True needs muon_cpu_offload=True (--muon-cpu-offload): megatron_muon "
+               "offloads the Muon matrices' momentum and fp32 masters together.")
+    if cfg.optimizer_cpu_offload and cfg.optimizer_offload_fraction != 1.0:
+        yield (f"optimizer_offload_fraction={cfg.optimizer_offload_fraction!r} is not supported with "
+               "optimizer_cpu_offload: megatron_muon offloads the masters of every Muon matrix, not a "
+               "fraction; set 1.0 (--optimizer-offload-fraction 1.0).")
     if cfg.muon_param_filter is not None and not callable(cfg.muon_param_filter):
         yield f"muon_param_filter={cfg.muon_param_filter!r} is not callable; use a function (name, param) -> bool."
 

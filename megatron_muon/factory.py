@@ -74,11 +74,6 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
             "get_muon_optimizer: reuse_grad_buf_for_mxfp8_param_ag (MXFP8 parameter all-gather through "
             "the grad buffer) is not supported; leave it off (--reuse-grad-buf-for-mxfp8-param-ag)."
         )
-    if config.optimizer_cpu_offload:
-        raise NotImplementedError(
-            "get_muon_optimizer: Megatron's optimizer_cpu_offload is not supported; set "
-            "MuonConfig.muon_cpu_offload=True (--muon-cpu-offload) to keep the Muon momentum on the CPU."
-        )
 
 
 logger = logging.getLogger(__name__)

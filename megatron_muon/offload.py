@@ -1,4 +1,6 @@
-"""CPU offload of the Muon momentum (``MuonConfig.muon_cpu_offload``).
+"""CPU offload of the Muon optimizer state (``MuonConfig.muon_cpu_offload``): the momentum
+(:class:`OffloadedMomentum`) and, with Megatron's ``optimizer_cpu_offload``, the fp32
+master weights (:class:`OffloadedMasters`).
 
 Between steps, the momentum of this rank's Muon master shards lives in one flat CPU pool
 (pinned where CUDA is available); ``optimizer.state[main]["momentum_buffer"]`` is a view
@@ -25,9 +27,9 @@ later sends reuse that chunk's piece.
 from __future__ import annotations
 
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -204,3 +206,59 @@ class OffloadedMomentum:
         self.staging = None
         self._fetched.clear()
         self._kept = {}
+
+
+class OffloadedMasters:
+    """The fp32 master shards of the Muon matrices, held in one CPU pool (pinned where
+    CUDA is available).
+
+    Megatron's code knows a master by its ``torch.nn.Parameter`` object (optimizer
+    groups, state keys, grad norm, clipping), so each master stays that object and only
+    its ``.data`` moves: it is the pool view, and every read and write of master values
+    (weight decay, the update, QK-Clip, the master -> model copy, checkpoints) happens on
+    the CPU. The one exception is Megatron's ``_copy_model_grads_to_main_grads``: torch
+    lets a parameter take a ``.grad`` only on its own device, so for that call (see
+    :meth:`grads_assignable`) ``.data`` becomes a zero-stride device placeholder (one
+    element shared by all masters; a write to it raises). The gradients themselves stay
+    on the device, where Megatron's norm, clipping and zero counting read them.
+
+    Only masters of bf16/fp16 parameters are offloaded: an fp32 parameter's master is a
+    view of the parameter itself."""
+
+    def __init__(self, mains: Sequence[torch.Tensor], device: Optional[torch.device]) -> None:
+        self.mains = list(mains)
+        self.pool = torch.empty(sum(m.numel() for m in self.mains), dtype=torch.float32,
+                                pin_memory=torch.cuda.is_available())
+        self.views: List[torch.Tensor] = []
+        offset = 0
+        for main in self.mains:
+            view = self.pool[offset : offset + main.numel()]
+            view.copy_(main.detach().reshape(-1))
+            main.data = view  # the device copy Megatron allocated is freed here
+            self.views.append(view)
+            offset += main.numel()
+        self._placeholder = torch.zeros(1, dtype=torch.float32, device=device)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    @property
+    def device_bytes(self) -> int:
+        """Master bytes on the compute device: 0 (the placeholder holds no master values)."""
+        return 0
+
+    def in_pool(self) -> bool:
+        """Whether every master's values are its pool view now (between and during steps)."""
+        return all(m.data_ptr() == v.data_ptr() for m, v in zip(self.mains, self.views))
+
+    @contextmanager
+    def grads_assignable(self) -> Iterator[None]:
+        """Masters on the device placeholder, so that Megatron can set device ``.grad``s."""
+        for main in self.mains:
+            main.data = self._placeholder.expand(main.numel())
+        try:
+            yield
+        finally:
+            for main, view in zip(self.mains, self.views):
+                main.data = view

@@ -46,7 +46,7 @@ from .planner import Plan, build_plan, plan_statistics
 from .process_groups import build_ortho_group
 from .qk_clip import QKClip
 from .split_newton_schulz import SplitCost
-from .offload import OffloadedMomentum
+from .offload import OffloadedMasters, OffloadedMomentum
 from .variants import SecondMoments, apply_update_
 
 logger = logging.getLogger(__name__)
@@ -175,8 +175,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         self._shards = self._muon_shards()
         self.offload: Optional[OffloadedMomentum] = None
         """The CPU pool of the Muon momentum (``muon_cpu_offload``)."""
+        self.offloaded_masters: Optional[OffloadedMasters] = None
+        """The CPU pool of the Muon matrices' fp32 masters (``muon_cpu_offload`` with
+        Megatron's ``optimizer_cpu_offload``)."""
         if config.muon_cpu_offload:
             self.offload = OffloadedMomentum(self.pipeline, self._shards, self.pipeline.device)
+            if config.optimizer_cpu_offload:
+                masters = {id(m) for group in self.shard_fp32_from_float16_groups for m in group}
+                self.offloaded_masters = OffloadedMasters(
+                    [m for m in self._shards if m is not None and id(m) in masters], self.pipeline.device
+                )
         self.second_moments: Optional[SecondMoments] = None
         """Variance reduction's factored second moments of the matrices this rank owns."""
         if config.muon_variance_reduction is not None:
@@ -286,6 +294,13 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
             grads = [] if stub else self._collect_main_grad_data_for_unscaling()
             return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        """Megatron's copy of the reduce-scattered grads into the masters' ``.grad``; the
+        CPU-offloaded masters take them through their device placeholder."""
+        masters = self.offloaded_masters
+        with masters.grads_assignable() if masters is not None else contextlib.nullcontext():
+            super()._copy_model_grads_to_main_grads()
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:

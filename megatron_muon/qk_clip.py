@@ -78,6 +78,7 @@ def row_factors(layer: ClipLayer, gamma: torch.Tensor, tconfig) -> List[Tuple[to
 def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: torch.Tensor) -> None:
     """Multiply the elements ``start:end`` of a row-major ``[rows, cols]`` weight, held as
     the 1-D ``shard``, by their row's factor (the range may start/end mid-row)."""
+    factors = factors.to(shard.device, shard.dtype)  # a CPU-offloaded master: factors come over
     pos = start
     while pos < end:
         row = pos // cols
@@ -86,10 +87,10 @@ def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: t
             # A run of whole rows: one broadcast multiply.
             last = (end // cols)
             n = last - row
-            shard[pos - start:pos - start + n * cols].view(n, cols).mul_(factors[row:last, None].to(shard.dtype))
+            shard[pos - start:pos - start + n * cols].view(n, cols).mul_(factors[row:last, None])
             pos += n * cols
         else:
-            shard[pos - start:row_end - start].mul_(factors[row].to(shard.dtype))
+            shard[pos - start:row_end - start].mul_(factors[row])
             pos = row_end
 
 

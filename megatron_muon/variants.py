@@ -58,7 +58,7 @@ def apply_update_(weight: torch.Tensor, update: torch.Tensor, lr: float, wd: flo
     """``w -= lr * update``, after the decoupled decay ``lr * wd * w`` was applied where
     it applies: everywhere (``cautious=False``: the caller decayed the whole shard
     already) or, cautious, only where ``update * w >= 0`` (``w`` before the step)."""
-    update = update.to(weight.dtype)
+    update = update.to(weight.device, weight.dtype)  # a CPU-offloaded master: the update comes over
     if cautious and wd != 0.0:
         agree = (update * weight) >= 0
         weight.sub_(weight * agree, alpha=lr * wd)

@@ -157,9 +157,10 @@ def check_supported(args: argparse.Namespace) -> None:
          "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon"),
         (on("use_megatron_fsdp"), "does not support Megatron FSDP: drop --use-megatron-fsdp"),
         (on("use_torch_fsdp2"), "does not support Torch FSDP2: drop --use-torch-fsdp2"),
-        (on("optimizer_cpu_offload"), "does not support --optimizer-cpu-offload: drop it "
-         "(--muon-cpu-offload keeps the Muon momentum on the CPU)"),
-        (on("use_precision_aware_optimizer"), "does not support --use-precision-aware-optimizer: drop it"),
+        (on("optimizer_cpu_offload") and not on("muon_cpu_offload"), "offloads with --optimizer-cpu-offload "
+         "only together with --muon-cpu-offload (the Muon momentum and fp32 masters go to the CPU): add it"),
+        (on("use_precision_aware_optimizer") and not on("optimizer_cpu_offload"),
+         "does not support --use-precision-aware-optimizer: drop it"),
         (on("num_distributed_optimizer_instances", 1) != 1, "needs --num-distributed-optimizer-instances 1"),
         (on("dump_param_to_param_group_map", None) is not None,
          "does not support --dump-param-to-param-group-map: drop it"),
@@ -187,6 +188,14 @@ def _wrap_add_megatron_arguments(original: Callable, module: Any) -> Callable:
     return functools.wraps(original)(lambda parser, *a, **kw: add_muon_arguments(original(parser, *a, **kw)))
 
 
+def _as_ours(args: argparse.Namespace) -> None:
+    """After Megatron's checks (run as for Adam): ``optimizer='muon'``, and no precision-aware
+    optimizer, which Megatron-LM demands with ``--optimizer-cpu-offload`` because its offload
+    reuses TE's precision-aware Adam; ours keeps its own fp32 masters (on the CPU)."""
+    args.optimizer = "muon"
+    args.use_precision_aware_optimizer = False
+
+
 def _wrap_validate_args(original: Callable, module: Any) -> Callable:
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
@@ -199,11 +208,11 @@ def _wrap_validate_args(original: Callable, module: Any) -> Callable:
         print_args = getattr(module, "_print_args", None)
         args.optimizer = "adam"
         if print_args is not None:
-            module._print_args = lambda *pa, **pkw: (setattr(args, "optimizer", "muon"), print_args(*pa, **pkw))
+            module._print_args = lambda *pa, **pkw: (_as_ours(args), print_args(*pa, **pkw))
         try:
             result = original(args, *a, **kw)
         finally:
-            args.optimizer = "muon"
+            _as_ours(args)
             if print_args is not None:
                 module._print_args = print_args
         args.use_layer_wise_distributed_optimizer = False

@@ -188,6 +188,9 @@ BAD_CONFIGS = [
     (dict(lr=float("inf")), "lr=inf"),
     (dict(weight_decay=-0.1), "weight_decay=-0.1"),
     (dict(muon_exclude_patterns="*.weight"), "muon_exclude_patterns='*.weight'"),
+    (dict(optimizer_cpu_offload=True, optimizer_offload_fraction=1.0), "optimizer_cpu_offload=True needs muon_cpu_offload"),
+    (dict(optimizer_cpu_offload=True, muon_cpu_offload=True, optimizer_offload_fraction=0.5),
+     "optimizer_offload_fraction=0.5"),
 ]
 
 

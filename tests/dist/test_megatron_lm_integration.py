@@ -172,7 +172,7 @@ def test_patches_install_route_and_uninstall(monkeypatch):
 @pytest.mark.parametrize("argv,match", [
     (["--optimizer", "muon"], "--use-distributed-optimizer"),
     (["--optimizer", "dist_muon", "--use-distributed-optimizer"], "dist_muon is deprecated"),
-    (["--optimizer", "muon", "--use-distributed-optimizer", "--optimizer-cpu-offload"], "--optimizer-cpu-offload"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--optimizer-cpu-offload"], "--muon-cpu-offload"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp"], "--use-megatron-fsdp"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--save", "d", "--ckpt-format", "torch"],
      "--ckpt-format torch_dist"),
@@ -229,6 +229,15 @@ def test_megatron_lm_parser_and_validation(megatron_lm):
     assert training.get_megatron_optimizer.__megatron_muon_undo__ is not None
     with pytest.raises(ValueError, match="--use-distributed-optimizer"):
         parse_and_validate(arguments, [a for a in ARGV if a != "--use-distributed-optimizer"])
+    # Megatron-LM's Adam offload line (it asserts --use-precision-aware-optimizer) + ours
+    offload = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--muon-cpu-offload"]
+    args = parse_and_validate(arguments, ARGV + offload)
+    config, _ = training.get_megatron_optimizer_config(args)
+    cfg = I.muon_config_from_megatron(args, base=config)
+    assert (cfg.optimizer_cpu_offload, cfg.optimizer_offload_fraction, cfg.muon_cpu_offload) == (True, 1.0, True)
+    assert not cfg.use_precision_aware_optimizer
+    with pytest.raises(ValueError, match="optimizer_offload_fraction=0.5"):
+        parse_and_validate(arguments, ARGV + offload + ["--optimizer-offload-fraction", "0.5"])
 
 
 def _max_rel_diff(a: dict, b: dict) -> float:

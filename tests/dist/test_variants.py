@@ -111,6 +111,57 @@ def test_variants_equal_reference(references, world, layout, model):
 
 
 # ---------------------------------------------------------------------------------------
+# The fp32 masters offloaded too (Megatron's optimizer_cpu_offload), on a bf16 model
+# ---------------------------------------------------------------------------------------
+OFFLOAD_MASTERS = dict(OFFLOAD, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, muon_chunk_numel=3000)
+QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: QK-Clip rescales the offloaded masters
+
+
+def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
+    """Train the bf16 model with the momentum offloaded, then with the momentum and the
+    masters (cautious decay on, so that the update reads the masters too); report both,
+    and where the masters were after each."""
+    spec = M.TinyModelSpec(bf16=True, **spec_kwargs)
+    batches = M.synthetic_batches(spec, GBS, 3)
+    out = {}
+    runs = (("momentum", dict(OFFLOAD, muon_chunk_numel=3000, **CAUTIOUS)), ("masters", dict(OFFLOAD_MASTERS, **CAUTIOUS)))
+    for name, overrides in runs:
+        chunks, model, opt, sched = build(spec, **overrides)
+        train_steps(model, opt, sched, spec, batches)
+        out[name] = dict(state=M.gather_canonical_state(chunks), optimizer=M.gather_canonical_optimizer_state(model, opt))
+        masters = [o.offloaded_masters for o in opt.muon_optimizers]
+        out[name]["facts"] = dict(
+            offloaded=[m is not None for m in masters],
+            in_pool=all(m.in_pool() for m in masters if m is not None),
+            pool_bytes=sum(m.pool_bytes for m in masters if m is not None),
+            muon_master_bytes=sum(s.numel() * 4 for o in opt.muon_optimizers for s in o._shards if s is not None),
+            clipped=bool(opt.muon_optimizers[0].qk_clip.last_max_logits.max() > QK["qk_clip_threshold"]),
+        )
+    return out
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world,layout,model", LAYOUTS)
+def test_offloaded_masters_change_nothing(world, layout, model):
+    """Master offload moves where the update happens, not what it is: the bf16 run with
+    the momentum and the fp32 masters on the CPU equals, bit for bit, the run with the
+    momentum alone offloaded (which the fp32 tests above check against the reference)."""
+    spec = dict(DENSE if model == "dense" else MOE, extra=QK)
+    results = run_distributed(_bf16_with_and_without_master_offload, world, spec, timeout_s=800, **layout)
+    for r in results:
+        facts = r["masters"]["facts"]
+        assert all(facts["offloaded"]) and facts["in_pool"], facts
+        assert facts["pool_bytes"] == facts["muon_master_bytes"] > 0, facts
+        assert not any(r["momentum"]["facts"]["offloaded"])
+    assert results[0]["momentum"]["facts"]["clipped"], "QK-Clip did not act; lower the threshold"
+    for part in ("state", "optimizer"):
+        momentum, masters = (M.merge_canonical_states([r[n][part] for r in results]) for n in ("momentum", "masters"))
+        assert momentum.keys() == masters.keys()
+        for key in momentum:
+            assert torch.equal(momentum[key], masters[key]), f"{part} {key} changed with the masters offloaded"
+
+
+# ---------------------------------------------------------------------------------------
 # Checkpoints: the second moments reshard, and offload on/off is invisible to them
 # ---------------------------------------------------------------------------------------
 STEPS_BEFORE, STEPS_AFTER = 3, 2
@@ -131,6 +182,8 @@ def _offload_facts(opt) -> dict:
             )
             for o in opt.muon_optimizers
         ),
+        masters_offloaded=any(o.offloaded_masters is not None for o in opt.muon_optimizers),
+        masters_in_pool=all(o.offloaded_masters.in_pool() for o in opt.muon_optimizers if o.offloaded_masters),
     )
 
 
@@ -169,6 +222,12 @@ CHECKPOINTS = [
     # offload off, EP2 -> offload on, DP2xEP2
     pytest.param(MOE, (2, dict(ep=2)), VR_ON, (4, dict(ep=2)), dict(VR_ON, muon_cpu_offload=True),
                  id="EP2-to-DP2xEP2-offload"),
+    # bf16: masters offloaded -> masters on the device (the momentum offloaded in both, so
+    # that the resumed run is bit for bit the uninterrupted one), and back
+    pytest.param(dict(kind="gqa", bf16=True), (4, dict(tp=2)), dict(VR_ON, **OFFLOAD_MASTERS), (4, dict(tp=2)),
+                 dict(VR_ON, **OFFLOAD), id="bf16-TP2xDP2-masters-offload-to-momentum-offload"),
+    pytest.param(dict(MOE, bf16=True), (4, dict(ep=2)), dict(VR_ON, **OFFLOAD), (4, dict(ep=2)),
+                 dict(VR_ON, **OFFLOAD_MASTERS), id="bf16-DP2xEP2-momentum-offload-to-masters-offload"),
 ]
 
 
@@ -190,6 +249,8 @@ def test_second_moments_and_offload_survive_checkpoints(tmp_path, model, before,
             assert r["facts"]["momentum_in_pool"]
             assert r["facts"]["device_bytes"] == 0
             assert (r["facts"]["pool_bytes"] > 0) == bool(cfg.get("muon_cpu_offload"))
+            assert r["facts"]["masters_offloaded"] == bool(cfg.get("optimizer_cpu_offload"))
+            assert r["facts"]["masters_in_pool"]
     final_before = M.merge_canonical_states([r["final"] for r in saved])
     final_after = M.merge_canonical_states([r["final"] for r in loaded])
     err, key = max_rel_err(final_after, final_before, "fro")

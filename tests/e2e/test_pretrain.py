@@ -169,7 +169,9 @@ def test_console_script_runs_the_tool():
 
 def test_megatron_lm_example_launch_line(tmp_path):
     """Flags as Megatron-LM's GPT example scripts write them (mcore models, sample-based
-    schedule, selective recompute, NullTokenizer, mock data), tiny sizes; plus --optimizer muon."""
+    schedule, selective recompute, NullTokenizer, mock data), tiny sizes, with its optimizer
+    offload flags; plus --optimizer muon and --muon-cpu-offload (bf16: the Muon masters go
+    to the CPU too)."""
     stdout = run(PRETRAIN + [
         "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--max-position-embeddings", "64", "--attention-backend", "auto",
@@ -179,7 +181,8 @@ def test_megatron_lm_example_launch_line(tmp_path):
         "--adam-beta2", "0.95", "--init-method-std", "0.006", "--recompute-activations", "--bf16",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--mock-data", "--split", "949,50,1",
         "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
-        "--optimizer", "muon", "--use-distributed-optimizer",
+        "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
+        "--optimizer", "muon", "--use-distributed-optimizer", "--muon-cpu-offload",
     ])
     assert BUILT in stdout and DONE in stdout and sorted(losses(stdout)) == list(range(1, 7))
 

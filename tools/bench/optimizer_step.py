@@ -9,9 +9,10 @@ Muon in its TP modes, ours in each TP mode) on one bf16 GPT:
 * **bytes per step** per collective kind, counted around ``optimizer.step()`` only and
   around the whole train step (forward/backward, DDP's reduce-scatter, step);
 * **optimizer state per rank**: optimizer state tensors + fp32 master weights;
-* **Muon state on the device** (ours): bytes of the Muon matrices' optimizer state on the
-  compute device between steps and at most during a step, and in the CPU offload pool
-  (``ours_exact_offload``), with the step-time ratio of offload on to off. On a CPU-only
+* **Muon state on the device** (ours): bytes of the Muon matrices' optimizer state
+  (momentum, fp32 masters) on the compute device between steps and at most during a step,
+  and in the CPU offload pools (``ours_exact_offload``), with the step-time ratio of
+  offload on to off. On a CPU-only
   machine the "device" bytes are those not in the offload pool (what a GPU would hold);
 * **orthogonalization error**: one step from the same weights with momentum 0, lr 1, no
   weight decay and no clipping, so every matrix changes by -scale * NS(full gradient).
@@ -371,7 +372,7 @@ def markdown(data: Dict[str, Any]) -> str:
         "\nBytes sent per train step per rank (mean over ranks), by the process group they travel in "
         "(DP-group bytes = dp + expert_dp):\n\n" + by_group + "\n"
         + (f"\nThe project's targets, from this run:\n\n{targets}\n" if targets else "")
-        + (f"\nMuon matrices' optimizer state (momentum, second moments) per rank, max over ranks; "
+        + (f"\nMuon matrices' optimizer state (momentum, second moments, fp32 masters) per rank, max over ranks; "
            "'on device' counts tensors outside the CPU offload pool (on a CPU-only machine, what a GPU "
            f"would hold):\n\n{residency}\n" if residency else "")
     )

@@ -13,7 +13,8 @@ clipping):
   default ``"quintic"``) so both run the same iteration;
 * ``ours_<mode>`` - ``megatron_muon.get_muon_optimizer`` in its TP modes ``exact``,
   ``blockwise`` and ``duplicated``; ``ours_exact_offload`` is exact with
-  ``muon_cpu_offload`` (the momentum in a CPU pool, streamed to the device per chunk).
+  ``muon_cpu_offload`` (the momentum in a CPU pool, streamed to the device per chunk) and
+  Megatron's ``optimizer_cpu_offload`` (the Muon matrices' fp32 masters in a CPU pool).
 
 Measurements: optimizer-state bytes per rank, collective bytes (``count_traffic``), and
 the gradient each rank contributed before DDP reduced it (``capture_local_grads``), from
@@ -137,8 +138,10 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
     elif name.startswith("ours"):
         layout = "megatron" if name.endswith("_megatron_layout") else "owner"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
+        offload = name.endswith("_offload")
         cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_buffer_layout=layout,
-                         muon_cpu_offload=name.endswith("_offload"), **chunking, **common)
+                         muon_cpu_offload=offload, optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0,
+                         **chunking, **common)
         model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg)
         opt = get_muon_optimizer(cfg, model)
     elif name == BASELINE:
@@ -195,12 +198,13 @@ def optimizer_state_bytes(opt) -> Dict[str, int]:
 
 def muon_state_residency(opt) -> Optional[Dict[str, int]]:
     """Where this rank's Muon-matrix optimizer state (momentum, variance reduction's second
-    moments) lives, in bytes, for megatron_muon peers (None for the others):
+    moments, the fp32 masters of a bf16/fp16 model) lives, in bytes, for megatron_muon
+    peers (None for the others):
 
     * ``device_idle``: on the compute device between steps (now);
     * ``device_step_peak``: the most on the compute device during the last step (with
       offload, the staging buffers' peak, summed over the dense and expert optimizers);
-    * ``offloaded``: in the CPU offload pool (and CPU-kept second moments);
+    * ``offloaded``: in the CPU offload pools (and CPU-kept second moments);
     * ``largest_chunk``: one pipeline chunk's momentum on this rank (the offload's bound).
 
     On a CPU-only machine the compute device is the CPU as well: what counts as
@@ -211,6 +215,14 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
         return None
     out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0)
     for o in muon:
+        float16_masters = {id(m) for group in o.shard_fp32_from_float16_groups for m in group}
+        master_bytes = sum(m.numel() * 4 for m in o._shards if m is not None and id(m) in float16_masters)
+        if o.offloaded_masters is None:
+            out["device_idle"] += master_bytes
+            out["device_step_peak"] += master_bytes
+        else:
+            out["device_idle"] += o.offloaded_masters.device_bytes
+            out["offloaded"] += o.offloaded_masters.pool_bytes
         pool = o.offload
         momentum = [o.optimizer.state.get(m, {}).get("momentum_buffer") for m in o._shards if m is not None]
         momentum_bytes = sum(t.numel() * t.element_size() for t in momentum if t is not None)
