@@ -117,15 +117,21 @@ OFFLOAD_MASTERS = dict(OFFLOAD, optimizer_cpu_offload=True, optimizer_offload_fr
 QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: QK-Clip rescales the offloaded masters
 
 
+MASTER_OFFLOAD_TP_MODES = ("exact", "duplicated")
+
+
 def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
     """Train the bf16 model with the momentum offloaded, then with the momentum and the
-    masters (cautious decay on, so that the update reads the masters too); report both,
-    and where the masters were after each."""
+    masters (cautious decay on, so that the update reads the masters too), in the exact
+    and the duplicated TP mode; report each run, and where the masters were after it."""
     spec = M.TinyModelSpec(bf16=True, **spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, 3)
     out = {}
-    runs = (("momentum", dict(OFFLOAD, muon_chunk_numel=3000, **CAUTIOUS)), ("masters", dict(OFFLOAD_MASTERS, **CAUTIOUS)))
-    for name, overrides in runs:
+    runs = {}
+    for mode in MASTER_OFFLOAD_TP_MODES:
+        runs[f"momentum-{mode}"] = dict(OFFLOAD, muon_chunk_numel=3000, muon_tp_mode=mode, **CAUTIOUS)
+        runs[f"masters-{mode}"] = dict(OFFLOAD_MASTERS, muon_tp_mode=mode, **CAUTIOUS)
+    for name, overrides in runs.items():
         chunks, model, opt, sched = build(spec, **overrides)
         train_steps(model, opt, sched, spec, batches)
         out[name] = dict(state=M.gather_canonical_state(chunks), optimizer=M.gather_canonical_optimizer_state(model, opt))
@@ -148,17 +154,19 @@ def test_offloaded_masters_change_nothing(world, layout, model):
     momentum alone offloaded (which the fp32 tests above check against the reference)."""
     spec = dict(DENSE if model == "dense" else MOE, extra=QK)
     results = run_distributed(_bf16_with_and_without_master_offload, world, spec, timeout_s=800, **layout)
-    for r in results:
-        facts = r["masters"]["facts"]
-        assert all(facts["offloaded"]) and facts["in_pool"], facts
-        assert facts["pool_bytes"] == facts["muon_master_bytes"] > 0, facts
-        assert not any(r["momentum"]["facts"]["offloaded"])
-    assert results[0]["momentum"]["facts"]["clipped"], "QK-Clip did not act; lower the threshold"
-    for part in ("state", "optimizer"):
-        momentum, masters = (M.merge_canonical_states([r[n][part] for r in results]) for n in ("momentum", "masters"))
-        assert momentum.keys() == masters.keys()
-        for key in momentum:
-            assert torch.equal(momentum[key], masters[key]), f"{part} {key} changed with the masters offloaded"
+    for mode in MASTER_OFFLOAD_TP_MODES:
+        for r in results:
+            facts = r[f"masters-{mode}"]["facts"]
+            assert all(facts["offloaded"]) and facts["in_pool"], facts
+            assert facts["pool_bytes"] == facts["muon_master_bytes"] > 0, facts
+            assert not any(r[f"momentum-{mode}"]["facts"]["offloaded"])
+        assert results[0][f"momentum-{mode}"]["facts"]["clipped"], "QK-Clip did not act; lower the threshold"
+        for part in ("state", "optimizer"):
+            momentum, masters = (M.merge_canonical_states([r[f"{n}-{mode}"][part] for r in results])
+                                 for n in ("momentum", "masters"))
+            assert momentum.keys() == masters.keys()
+            for key in momentum:
+                assert torch.equal(momentum[key], masters[key]), f"{mode}: {part} {key} changed with the masters offloaded"
 
 
 # ---------------------------------------------------------------------------------------
