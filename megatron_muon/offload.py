@@ -243,11 +243,6 @@ class OffloadedMasters:
     def pool_bytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
 
-    @property
-    def device_bytes(self) -> int:
-        """Master bytes on the compute device: 0 (the placeholder holds no master values)."""
-        return 0
-
     def in_pool(self) -> bool:
         """Whether every master's values are its pool view now (between and during steps)."""
         return all(m.data_ptr() == v.data_ptr() for m, v in zip(self.mains, self.views))

@@ -181,10 +181,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         if config.muon_cpu_offload:
             self.offload = OffloadedMomentum(self.pipeline, self._shards, self.pipeline.device)
             if config.optimizer_cpu_offload:
-                masters = {id(m) for group in self.shard_fp32_from_float16_groups for m in group}
-                self.offloaded_masters = OffloadedMasters(
-                    [m for m in self._shards if m is not None and id(m) in masters], self.pipeline.device
-                )
+                self.offloaded_masters = OffloadedMasters(self.float16_muon_masters(), self.pipeline.device)
         self.second_moments: Optional[SecondMoments] = None
         """Variance reduction's factored second moments of the matrices this rank owns."""
         if config.muon_variance_reduction is not None:
@@ -269,6 +266,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         for models, mains in zip(self.model_fp32_groups, self.shard_fp32_groups):
             self._main_of_model.update({id(m): s for m, s in zip(models, mains)})
         return [self._main_of_model.get(id(mp.param)) for mp in self.muon_params]
+
+    def float16_muon_masters(self) -> List[torch.Tensor]:
+        """This rank's fp32 master shards of the bf16/fp16 Muon params (an fp32 param's
+        master is a view of the param itself, so it has none of its own)."""
+        float16 = {id(m) for group in self.shard_fp32_from_float16_groups for m in group}
+        return [m for m in self._shards if m is not None and id(m) in float16]
 
     def shard_of(self, param: torch.nn.Parameter) -> Optional[Tuple[torch.Tensor, int, int]]:
         """This rank's fp32 master shard of any model param, with its flat range."""

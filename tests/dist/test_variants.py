@@ -115,8 +115,6 @@ def test_variants_equal_reference(references, world, layout, model):
 # ---------------------------------------------------------------------------------------
 OFFLOAD_MASTERS = dict(OFFLOAD, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, muon_chunk_numel=3000)
 QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: QK-Clip rescales the offloaded masters
-
-
 MASTER_OFFLOAD_TP_MODES = ("exact", "duplicated")
 
 

@@ -9,15 +9,13 @@ import torch
 
 @pytest.mark.parametrize("k", [1, 3, 16, 17, 64, 130])
 def test_packed_upper_triangle_rebuilds_the_gram_matrix(k):
-    from megatron_muon.split_newton_schulz import _pack_upper, _unpack_symmetric, gram_upper_numel
+    from megatron_muon.split_newton_schulz import _gram_row_blocks, _pack_upper, _unpack_symmetric, gram_upper_numel
 
     X = torch.randn(k, 3 * k + 1, generator=torch.Generator().manual_seed(k), dtype=torch.float64)
     A = X @ X.mT
     packed = _pack_upper(A)
     assert packed.numel() == gram_upper_numel(k)
     rebuilt = _unpack_symmetric(packed, k)
-    from megatron_muon.split_newton_schulz import _gram_row_blocks
-
     for start, end in _gram_row_blocks(k):  # sent as computed: the diagonal block and right of it
         assert torch.equal(rebuilt[start:end, start:], A[start:end, start:])
         assert torch.equal(rebuilt[start:end, :start], A[:start, start:end].mT)  # mirrored

@@ -215,13 +215,11 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
         return None
     out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0)
     for o in muon:
-        float16_masters = {id(m) for group in o.shard_fp32_from_float16_groups for m in group}
-        master_bytes = sum(m.numel() * 4 for m in o._shards if m is not None and id(m) in float16_masters)
         if o.offloaded_masters is None:
+            master_bytes = sum(m.numel() * m.element_size() for m in o.float16_muon_masters())
             out["device_idle"] += master_bytes
             out["device_step_peak"] += master_bytes
-        else:
-            out["device_idle"] += o.offloaded_masters.device_bytes
+        else:  # on the device only the shared one-element placeholder, no master values
             out["offloaded"] += o.offloaded_masters.pool_bytes
         pool = o.offload
         momentum = [o.optimizer.state.get(m, {}).get("momentum_buffer") for m in o._shards if m is not None]
