@@ -24,7 +24,9 @@ from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
 from tests.helpers.training import GBS, MBS, build
 
-PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True)}
+PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True), "bf16-offload": dict(bf16=True)}
+PRECISION_CONFIGS = {"bf16-offload": dict(muon_cpu_offload=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)}
+"""Optimizer settings of a case beyond its model precision: momentum and fp32 masters on the CPU."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -105,7 +107,8 @@ def _non_finite_run():
     for precision, flags in PRECISIONS.items():
         spec = M.TinyModelSpec(kind="moe", **flags)
         scaler = dict(initial_loss_scale=2.0**10, hysteresis=1) if precision == "fp16" else {}
-        chunks, model, opt, sched = build(spec, **scaler)
+        settings = PRECISION_CONFIGS.get(precision, {})
+        chunks, model, opt, sched = build(spec, **scaler, **settings)
         batches = M.synthetic_batches(spec, GBS, 3, seed=7)
         assert M.train_step(model, opt, batches[0], MBS, spec)[1]  # state exists
         targets = _targets(chunks, opt)
@@ -126,13 +129,14 @@ def _non_finite_run():
                     scales=[o.get_loss_scale().item() for o in opt.muon_optimizers],
                 )
         out[(precision, "skipped_steps")] = opt.skips.skipped_steps
+        out[(precision, "masters_offloaded")] = all(o.offloaded_masters is not None for o in opt.muon_optimizers)
         loss, ok = M.train_step(model, opt, batches[2], MBS, spec)
         out[(precision, "recovers")] = ok and math.isfinite(loss)
 
         # N consecutive skips raise on every rank, naming the parameter.
         limit = 3
         extra = dict(initial_loss_scale=4.0, min_loss_scale=1.0, hysteresis=1) if precision == "fp16" else {}
-        chunks, model, opt, sched = build(spec, muon_max_consecutive_skipped_steps=limit, **extra)
+        chunks, model, opt, sched = build(spec, muon_max_consecutive_skipped_steps=limit, **extra, **settings)
         param = _targets(chunks, opt)["muon"]
         name = next(n for n, p in chunks[0].named_parameters() if p is param)
         attempts, error = 0, None
@@ -162,6 +166,7 @@ def test_non_finite_gradients_skip_everywhere_and_raise():
                 assert after == before == 1.0
         for precision in PRECISIONS:
             assert r[(precision, "skipped_steps")] == 6
+            assert r[(precision, "masters_offloaded")] == (precision == "bf16-offload")
             assert r[(precision, "recovers")], f"{precision}: training must go on after a skip"
             raised = r[(precision, "raise")]
             assert raised["error"] is not None, f"{precision}: {raised['attempts']} skips did not raise"
