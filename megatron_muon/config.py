@@ -8,9 +8,12 @@ Nesterov on). QK-Clip settings are read from the model's ``TransformerConfig``
 
 from __future__ import annotations
 
+import ast
+import inspect
 import math
+import textwrap
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from megatron.core.optimizer import OptimizerConfig
@@ -318,3 +321,25 @@ def update_scale(config: MuonConfig, rows: int, cols: int) -> float:
     else:
         scale = 1.0
     return scale * config.muon_extra_scale_factor
+
+
+def field_docstrings(cls: type) -> Dict[str, str]:
+    """The docstring under each dataclass field of ``cls`` and its bases (read from the
+    source): the help of the generated ``--muon-*`` flags and docs/usage.md's field table."""
+    docs: Dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs

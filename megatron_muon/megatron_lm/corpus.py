@@ -1,16 +1,11 @@
 """The built-in corpus (no download) and the data checks Megatron-LM lacks.
 
-With neither ``--data-path`` (or per-split paths) nor ``--mock-data``, the training data is
-this Python's standard-library source, one document per file in sorted order, as byte ids
-(0..255) ended by the tokenizer's ``<eod>``: Megatron-LM's own ``NullTokenizer`` with
-``--vocab-size 257`` (the default then) reads exactly that (its ``eod`` is ``vocab_size - 1``
-= 256). It is written once, with Megatron-core's ``IndexedDatasetBuilder``, as an indexed
-dataset under ``--data-cache-path`` (else ``$MEGATRON_MUON_CACHE``, else
-``~/.cache/megatron_muon``), and then read exactly as ``--data-path`` would be.
-
-:func:`check_splits_not_empty`: Megatron's ``GPTDataset`` loops forever when asked for
-samples from a split without documents (``_get_num_epochs``); a small corpus with the
-default ``--split 969,30,1`` has no test documents. Fail with the numbers and the fix.
+With no data named (neither ``--data-path``, per-split paths nor ``--mock-data``), the
+training data is this Python's standard-library source: one document per file, as byte ids
+0..255 ended by ``<eod>`` = 256, which Megatron-LM's own ``NullTokenizer`` with
+``--vocab-size 257`` reads. It is written once with Megatron-core's ``IndexedDatasetBuilder``
+under ``--data-cache-path`` (else ``$MEGATRON_MUON_CACHE``, else ``~/.cache/megatron_muon``)
+and then read exactly as ``--data-path`` would be.
 """
 
 from __future__ import annotations
@@ -127,8 +122,10 @@ def stdlib_corpus_prefix(args: argparse.Namespace) -> str:
 
 
 def check_splits_not_empty(config, num_samples: Sequence[int]) -> None:
-    """Raise ``CorpusError`` if a split asked for samples has no documents in some dataset
-    of the blend (Megatron would loop forever). Counts documents as Megatron's builder does."""
+    """Raise ``CorpusError`` if a split asked for samples has no documents in some dataset of
+    the blend: Megatron's ``GPTDataset`` would loop forever in ``_get_num_epochs`` (a small
+    corpus with the default ``--split 969,30,1`` has no test documents). Counts documents as
+    Megatron's builder does."""
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     if config.blend is None or config.split_matrix is None:

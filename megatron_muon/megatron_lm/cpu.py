@@ -1,24 +1,10 @@
 """What Megatron-LM's training code (the ``megatron.training`` of the megatron-core wheel)
 needs to run where it did not expect to: with no GPU, and from a wheel.
 
-Each patch is a small named function of its own, applied by :func:`install` (idempotent):
-
-* :func:`skip_helpers_build` (always): ``initialize_megatron`` runs ``compile_helpers()``
-  (``make`` in ``megatron/core/datasets``) on rank 0; the wheel ships the compiled
-  ``helpers_cpp`` but no Makefile, so the build fails and exits. Skipped when the compiled
-  module imports; otherwise Megatron's build runs as before.
-* :func:`allow_cpu_initialization` (no GPU): ``pretrain`` calls ``initialize_megatron()``,
-  which asserts ``torch.cuda.is_available()``; call it with ``allow_no_cuda=True`` (its own
-  switch), after :func:`megatron_muon.cpu.install_cpu_patches` has made Megatron-core's
-  CUDA calls (devices, streams, events, RNG tracker, memory reports) work on the CPU.
-* :func:`no_device_architecture` (no GPU): ``validate_args`` reads the GPU architecture
-  with TP / CP > 1 to pick a warning.
-* :func:`quiet_cpu_rng_warning` and Megatron's ``jit_fuser`` (``torch.compile``) off on the
-  CPU, where compiling costs seconds per fused function and gains nothing
-  (``MEGATRON_MUON_CPU_COMPILE=1`` keeps it).
-
-Megatron-LM features that need a GPU (transformer-engine, FP8, CUDA graphs, NCCL-only
-options, fused kernels) stay unavailable on the CPU: docs/usage.md lists them.
+One small function per patch, applied by :func:`install` (idempotent), next to
+:func:`megatron_muon.cpu.install_cpu_patches` for Megatron-core's own CUDA calls. Megatron-LM
+features that need a GPU (transformer-engine, FP8, CUDA graphs, NCCL-only options, fused
+kernels) stay unavailable on the CPU: docs/usage.md lists them.
 """
 
 from __future__ import annotations
@@ -49,7 +35,8 @@ def helpers_compiled() -> bool:
 
 
 def skip_helpers_build() -> None:
-    """``compile_helpers()`` does nothing when ``helpers_cpp`` is already compiled."""
+    """``initialize_megatron`` runs ``compile_helpers()`` (``make``) on rank 0, but the wheel
+    ships the compiled ``helpers_cpp`` without its Makefile: skip the build when it imports."""
     import megatron.core.datasets.utils as dataset_utils
 
     if "compile_helpers" in _APPLIED or not helpers_compiled():
@@ -66,7 +53,8 @@ def skip_helpers_build() -> None:
 
 
 def allow_cpu_initialization() -> None:
-    """``pretrain`` calls ``initialize_megatron(allow_no_cuda=True)``."""
+    """``pretrain`` calls ``initialize_megatron(allow_no_cuda=True)`` (Megatron's own switch
+    past its ``torch.cuda.is_available()`` assert)."""
     import megatron.training.training as training
 
     if "initialize_megatron" in _APPLIED:
@@ -117,6 +105,7 @@ def install() -> bool:
     allow_cpu_initialization()
     no_device_architecture()
     quiet_cpu_rng_warning()
+    # Megatron's jit_fuser compiles each fused function: seconds each on the CPU, no gain.
     if os.environ.get("MEGATRON_MUON_CPU_COMPILE", "0") != "1":
         torch._dynamo.config.disable = True
     return True

@@ -1,60 +1,24 @@
 """Route ``--optimizer muon`` to megatron_muon inside Megatron-LM's own ``pretrain_gpt.py``.
 
-With a Megatron-LM checkout, add two lines to its ``pretrain_gpt.py`` anywhere before
-``parse_and_validate_args`` runs (right after the imports is fine)::
+With a Megatron-LM checkout, call this before ``parse_and_validate_args`` (right after the
+imports of its ``pretrain_gpt.py``)::
 
     from megatron_muon.megatron_lm.integration import use_megatron_muon
     use_megatron_muon()
 
-and launch as before with ``--optimizer muon --use-distributed-optimizer`` and any ``--muon-*``
-flags (``--help`` lists them); ``--muon-impl megatron`` selects Megatron-core's own Muon.
-Six module globals are wrapped (plus the checkpoint-integrity hooks of
-``integrity_hooks``), each looked up by Megatron-LM at call time (line numbers:
-Megatron-LM ``core_r0.19.0`` f8837c04, the ``megatron/training`` megatron-core 0.19.2 ships):
+then launch as before with ``--optimizer muon --use-distributed-optimizer`` and any
+``--muon-*`` flag; ``--muon-impl megatron`` selects Megatron-core's own Muon. The wrappers
+replace module globals Megatron-LM looks up at call time: arguments, validation, optimizer
+factory, ``clip_qk`` and DDP construction here, checkpoint integrity in ``integrity_hooks``.
+docs/design.md ("Inside Megatron-LM") maps each one to the Megatron-LM lines it relies on.
 
-1. ``megatron.training.arguments.add_megatron_arguments`` (``parse_args`` builds its parser
-   with it, arguments.py:121) also calls :func:`add_muon_arguments`;
-2. ``megatron.training.arguments.validate_args`` (``parse_and_validate_args``, :107). Megatron
-   turns ``--optimizer muon --use-distributed-optimizer`` into its LayerWiseDistributedOptimizer
-   (:1670-1682); ours shards its state like the DistributedOptimizer, so the wrapper refuses
-   what we cannot run (:func:`check_supported`), validates the rest as Megatron validates
-   ``adam`` and restores ``optimizer='muon'``: DDP is then built as for the
-   DistributedOptimizer (``get_megatron_ddp_config`` and its parameter layout);
-3. ``megatron.training.training.get_megatron_optimizer`` (imported at training.py:71-77, called
-   by ``setup_model_and_optimizer`` at :2132 with ``config_overrides``, ``use_gloo_process_groups``
-   and ``dump_param_to_param_group_map``): for our ``muon`` it calls
-   :func:`~megatron_muon.get_muon_optimizer` with a :class:`~megatron_muon.MuonConfig` made of
-   Megatron's ``OptimizerConfig`` (lr, weight decay, clipping, precision, timers...) plus the
-   ``--muon-*`` values, and the same ``config_overrides`` (standard and muP); anything else
-   goes to Megatron's function.
-
-4. ``megatron.training.training.clip_qk`` (imported at training.py:85, called after
-   ``optimizer.step()`` at :2480 with ``--qk-clip`` or ``--log-max-attention-logit``): once our
-   optimizer is built, our step has already gathered the max logits, clipped on the master
-   weights and reset the recorders, so the wrapper returns our step's max logit for Megatron's
-   log line instead of clipping again; otherwise Megatron's function runs.
-
-5. ``megatron.training.training.wrap_model_chunks_with_ddp`` (called by ``get_model`` at
-   :1880) and ``megatron.training.models.dist_utils.DistributedDataParallel`` (looked up by
-   ``_ddp_wrap`` when a model config builds the model, ``build_distributed_models`` at
-   training.py:2050, as ``tools/pretrain_gpt.py`` does): for our ``muon`` with
-   ``muon_buffer_layout='owner'`` (the default) every chunk's DDP is built with
-   :func:`~megatron_muon.muon_param_layout`, so each Muon matrix sits whole in its owner's DP
-   shard (no optimizer bytes over DP); Megatron-LM's loops, bucket sizes and
-   ``disable_bucketing`` per chunk are kept.
-
-Megatron-LM's own ``--muon-*`` flags are reused, not redefined; a value counts only when given
-on the command line, else MuonConfig's default applies (exact TP mode, Nesterov, 'moonlight'
-scale, momentum 0.95); their choices gain ours (``--muon-tp-mode exact``; Megatron's
-``distributed`` is exact too). Coefficient names are ours: ``quintic`` is Keller Jordan's set
-(Megatron's ``simple``); Megatron's ``quintic`` schedule is our ``megatron_quintic``.
-
-Checkpoints need ``--ckpt-format torch_dist`` (the default): Megatron-LM saves
-``optimizer.sharded_state_dict(model_sd, metadata=...)`` and loads with
-``optimizer.load_state_dict(loaded['optimizer'])`` (checkpointing.py:1341, 2573), which our
-optimizer accepts. Our state reshards across TP/PP/EP/DP, but Megatron-LM refuses a TP/PP
-change on load unless it was saved with ``--dist-ckpt-optim-fully-reshardable`` (a metadata
-label only). """
+Megatron-LM's own ``--muon-*`` flags are reused; a value counts only when given on the
+command line (else MuonConfig's default: exact TP mode, Nesterov, 'moonlight' scale). Our
+coefficient names differ: ``quintic`` is Keller Jordan's set (Megatron's ``simple``),
+Megatron's ``quintic`` schedule is our ``megatron_quintic``. Checkpoints are torch_dist;
+Megatron-LM refuses a TP/PP change on load unless the save had
+``--dist-ckpt-optim-fully-reshardable`` (a metadata label: our state reshards anyway).
+"""
 
 from __future__ import annotations
 
@@ -197,14 +161,16 @@ def _as_ours(args: argparse.Namespace) -> None:
 
 
 def _wrap_validate_args(original: Callable, module: Any) -> Callable:
+    """Megatron's checks as for its DistributedOptimizer (``muon`` would select its LayerWise
+    one), ours before them, ``optimizer='muon'`` again after."""
+
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
         if not _ours(args):
             _check_megatron_choices(args)
             return original(args, *a, **kw)
         check_supported(args)
-        # Validate as Megatron's DistributedOptimizer (module docstring); validate_args ends by
-        # printing the arguments (arguments.py:1904), by then with optimizer='muon' again.
+        # validate_args ends by printing the arguments: they must show what runs.
         print_args = getattr(module, "_print_args", None)
         args.optimizer = "adam"
         if print_args is not None:
@@ -238,6 +204,8 @@ _BUILT: Dict[str, Any] = {}
 
 
 def _wrap_clip_qk(original: Callable, module: Any) -> Callable:
+    """Report our step's max logit instead of clipping again, once our optimizer is built."""
+
     @functools.wraps(original)
     def clip_qk(model, log_max_only=False):
         optimizer = _BUILT.get("optimizer")
@@ -250,6 +218,7 @@ def _wrap_clip_qk(original: Callable, module: Any) -> Callable:
 
 
 def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
+    """Ours for ``--optimizer muon --muon-impl megatron_muon``, Megatron's otherwise."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -264,7 +233,7 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
         call = signature.bind(config, model_chunks, *a, **kw)
         call.apply_defaults()
         p = call.arguments
-        if p.get("dump_param_to_param_group_map") is not None:
+        if p.get("dump_param_to_param_group_map") is not None:  # a direct call (the flag fails validation)
             raise ValueError("megatron_muon: --dump-param-to-param-group-map is not supported; drop it.")
         optimizer = get_muon_optimizer(
             muon_config_from_megatron(args, base=config), model_chunks,
@@ -286,50 +255,40 @@ def _owner_layout_config(args: Optional[argparse.Namespace], ddp_config: Any) ->
     return muon_config if muon_config.muon_buffer_layout == "owner" else None
 
 
-def _owner_aligned_ddp(ddp_class: Callable, muon_config: MuonConfig) -> Callable:
-    """``ddp_class`` with each chunk's buffers laid out by :func:`~megatron_muon.muon_param_layout`.
-
-    Megatron-LM computes the distributed optimizer's layout from a flat param list (no modules,
-    which the logical-matrix rules need); a layout it hands over is replaced by ours."""
+def _owner_aligned_ddp(ddp_class: Callable, training_module: Any) -> Callable:
+    """``ddp_class`` whose chunks are laid out by :func:`~megatron_muon.muon_param_layout` when
+    :func:`_owner_layout_config` says so. Megatron-LM computes the distributed optimizer's layout
+    from a flat param list (no modules, which the logical-matrix rules need); a layout it hands
+    over is replaced by ours, its bucket sizes and per-chunk ``disable_bucketing`` are kept."""
     from megatron_muon.buffer_layout import muon_param_layout
 
-    def build(config, ddp_config, module, disable_bucketing=False, full_param_layout=None, **ddp_kw):
-        layout = muon_param_layout(muon_config, module, ddp_config, disable_bucketing=disable_bucketing,
-                                   pg_collection=ddp_kw.get("pg_collection"))
-        return ddp_class(config=config, ddp_config=ddp_config, module=module,
-                         disable_bucketing=disable_bucketing, full_param_layout=layout, **ddp_kw)
+    @functools.wraps(ddp_class, updated=())
+    def distributed_data_parallel(*, config, ddp_config, module, disable_bucketing=False, full_param_layout=None,
+                                  **kw):
+        muon_config = _owner_layout_config(_global_args(training_module), ddp_config)
+        if muon_config is not None:
+            full_param_layout = muon_param_layout(muon_config, module, ddp_config, disable_bucketing=disable_bucketing,
+                                                  pg_collection=kw.get("pg_collection"))
+        return ddp_class(config=config, ddp_config=ddp_config, module=module, disable_bucketing=disable_bucketing,
+                         full_param_layout=full_param_layout, **kw)
 
-    return build
+    return distributed_data_parallel
 
 
 def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any) -> Callable:
-    """``get_model``'s path: hand Megatron-LM's loop a ``DP`` that builds our layout (its bucket
-    sizes and per-chunk ``disable_bucketing`` are kept)."""
+    """``get_model``'s path: with our layout, hand it a ``DP`` that builds it (Megatron-LM then
+    computes no layout of its own)."""
     from megatron.core.distributed import DistributedDataParallel
 
     @functools.wraps(original)
     def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *a, **kw):
-        muon_config = _owner_layout_config(_global_args(module), ddp_config)
-        if (muon_config is None or kw.get("DP", DistributedDataParallel) is not DistributedDataParallel
-                or kw.get("use_layer_wise_distributed_optimizer")):
-            return original(model_chunks, config, ddp_config, *a, **kw)
-        return original(model_chunks, config, ddp_config, *a,
-                        **dict(kw, DP=_owner_aligned_ddp(DistributedDataParallel, muon_config)))
+        if (_owner_layout_config(_global_args(module), ddp_config) is not None
+                and kw.get("DP", DistributedDataParallel) is DistributedDataParallel
+                and not kw.get("use_layer_wise_distributed_optimizer")):
+            kw["DP"] = _owner_aligned_ddp(DistributedDataParallel, module)
+        return original(model_chunks, config, ddp_config, *a, **kw)
 
     return wrap_model_chunks_with_ddp
-
-
-def _wrap_model_builder_ddp(original: Callable, training_module: Any) -> Callable:
-    """The model-config path (``builder.build_distributed_models`` -> ``dist_utils._ddp_wrap``)
-    looks ``DistributedDataParallel`` up in its module at call time: build it with our layout."""
-
-    @functools.wraps(original, updated=())
-    def distributed_data_parallel(*, config, ddp_config, module, **kw):
-        muon_config = _owner_layout_config(_global_args(training_module), ddp_config)
-        build = original if muon_config is None else _owner_aligned_ddp(original, muon_config)
-        return build(config=config, ddp_config=ddp_config, module=module, **kw)
-
-    return distributed_data_parallel
 
 
 def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
@@ -362,9 +321,9 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
     if training_module.__name__ == "megatron.training.training":
         import megatron.training.models.dist_utils as dist_utils  # the model-config path's DDP
 
-        ddp_class = dist_utils.DistributedDataParallel
+        ddp_class = dist_utils.DistributedDataParallel  # looked up by _ddp_wrap at call time
         patches.append((dist_utils, "DistributedDataParallel", ddp_class,
-                        _wrap_model_builder_ddp(ddp_class, training_module)))
+                        _owner_aligned_ddp(ddp_class, training_module)))
     from .integrity_hooks import integrity_patches  # checksummed checkpoints in Megatron-LM's save/load
     patches += integrity_patches()
 

@@ -1,24 +1,9 @@
 """Checksummed checkpoints inside Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint``.
 
-``use_megatron_muon()`` installs two wrappers on ``megatron.training.checkpointing`` (see
-``megatron_muon.integrity`` for the manifest itself):
-
-* **save**: the module's ``dist_checkpointing`` becomes a view of Megatron-core's package
-  whose ``save`` also writes the manifest, once every rank finished writing: right after a
-  synchronous save, or as a finalize step of an asynchronous one (finalize steps run on
-  every rank, in order, before Megatron-LM's own step that updates
-  ``latest_checkpointed_iteration.txt``). So the tracker file only ever points at a
-  checkpoint whose manifest is complete. Megatron's own rank-0 manifest
-  (``--verify-integrity``) is replaced by ours (same file, same format, work split over
-  ranks), not written twice.
-* **load**: ``_load_global_dist_base_checkpoint`` (Megatron-LM's torch_dist load, called
-  first for the common state and then for the tensors) verifies the manifest on every rank
-  before its first read of a directory; a corrupt checkpoint fails on every rank, naming
-  the file and tensor. A checkpoint without a manifest (saved by Megatron-LM without these
-  hooks) loads as before, with a warning.
-
-:func:`integrity_patches` returns the patches as ``(module, name, original, wrapper)``
-tuples, the form ``use_megatron_muon`` installs and undoes.
+The save wrapper writes the manifest (``megatron_muon.integrity``) once every rank has
+finished writing, before Megatron-LM moves its tracker file; the load wrapper verifies it on
+every rank before the first read. docs/design.md ("Inside Megatron-LM") says where each
+hooks in. :func:`integrity_patches` returns them in the form ``use_megatron_muon`` installs.
 """
 
 from __future__ import annotations
@@ -55,6 +40,7 @@ class DistCheckpointingWithManifest:
         if request is None:
             write_manifest(str(checkpoint_dir))
         else:
+            # Finalize steps run in order, before Megatron-LM's own that moves the tracker file.
             request.add_finalize_fn(lambda: write_manifest(str(checkpoint_dir)))
         return request
 
@@ -65,15 +51,12 @@ def _manifest_stamp(checkpoint_dir: str) -> Tuple[int, int]:
 
 
 def verify_before_read(checkpoint_dir: str, first_read: bool) -> None:
-    """Verify ``checkpoint_dir`` before Megatron-LM reads it.
+    """Verify ``checkpoint_dir`` (collectively) before Megatron-LM reads it.
 
-    Megatron-LM's ``load_checkpoint`` reads a torch_dist checkpoint twice: its common state
-    (``rank0=True``: ``first_read``), then the tensors. The first read verifies and leaves a
-    stamp of the manifest it verified; the second consumes the stamp instead of hashing
-    everything again (and verifies when there is none). Collective when torch.distributed
-    is initialized; without it (Megatron-LM reading the checkpoint's arguments before the
-    process group exists) nothing is checked here.
-    """
+    Megatron-LM reads a torch_dist checkpoint twice, the common state (``first_read``) and
+    then the tensors; the second read skips the hashing if the manifest verified by the first
+    is unchanged. Before the process group exists (Megatron-LM reading the checkpoint's
+    arguments) nothing is checked."""
     if not dist.is_initialized():
         return
     checkpoint_dir = str(checkpoint_dir)

@@ -1,16 +1,8 @@
-"""Our thin layers on Megatron-LM's launch, for ``tools/pretrain_gpt.py``.
-
-* ``--recipe NAME|FILE``: a YAML file of Megatron-LM flags, expanded in front of the command
-  line (which therefore overrides it) before Megatron-LM's own ``parse_and_validate_args``;
-* ``--optimizer muon`` and the ``--muon-*`` flags (:func:`.integration.use_megatron_muon`);
-* defaults where Megatron-LM's assume hardware that is absent: gloo without a GPU, the local
-  transformer implementation and no TE fused kernels without transformer-engine, and the
-  built-in byte corpus's tokenizer (``NullTokenizer``, vocabulary 257) when none is named;
-* QK-Clip / max-logit logging with our recording attention where Megatron-LM asks for TE;
-* bad input as one line on stderr with exit code 2, before any model is built (argparse
-  errors, Megatron-LM's validation asserts, invalid ``--muon-*`` values, a ``--load``
-  without a checkpoint under ``--exit-on-missing-checkpoint``);
-* the CPU patches (:mod:`.cpu`).
+"""Our thin layers on Megatron-LM's launch, for ``tools/pretrain_gpt.py``: ``--recipe``,
+``--optimizer muon`` and the ``--muon-*`` flags, defaults where Megatron-LM's assume a GPU or
+transformer-engine, the built-in corpus's tokenizer, QK-Clip with our recording attention,
+and bad input as one line with exit code 2 before any model is built (docs/design.md,
+"Inside Megatron-LM").
 """
 
 from __future__ import annotations
@@ -31,11 +23,6 @@ DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": corpus.BYTE_VOCAB_S
 NO_TE_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False, "no_persist_layer_norm": True,
                   "gradient_accumulation_fusion": False}
 """Defaults without transformer-engine (Megatron-LM's assume it): its fused kernels are absent."""
-
-
-# ---------------------------------------------------------------------------------------
-# Arguments: recipes, CPU defaults
-# ---------------------------------------------------------------------------------------
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -18,23 +18,16 @@ command line; they are listed by :func:`non_cli_fields`.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
-import textwrap
 import typing
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-DTYPES: Dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-}
+from megatron_muon.config import MuonConfig, field_docstrings
+
+DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+                                   "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 # Megatron-LM's own spellings of the same settings (its arguments.py).
@@ -51,6 +44,13 @@ def parse_dtype(value: str) -> torch.dtype:
     if key not in DTYPES:
         raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; use one of {sorted(set(DTYPES))}")
     return DTYPES[key]
+
+
+VALUE_KINDS: Dict[str, Dict[str, Any]] = {
+    "int": dict(type=int), "float": dict(type=float), "str": dict(type=str),
+    "dtype": dict(type=parse_dtype, metavar="{bf16,fp32,fp16}"), "str_tuple": dict(nargs="*", type=str),
+}
+"""argparse keywords of each kind of field other than bool."""
 
 
 class BoolFlag(argparse.Action):
@@ -86,37 +86,12 @@ def _kind(tp: Any) -> Optional[str]:
     return None
 
 
-def field_docstrings(cls: type) -> Dict[str, str]:
-    """Attribute docstrings (the string literal under a dataclass field) of ``cls`` and bases."""
-    docs: Dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for node, nxt in zip(body, body[1:]):
-            if (
-                isinstance(node, ast.AnnAssign)
-                and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr)
-                and isinstance(getattr(nxt, "value", None), ast.Constant)
-                and isinstance(nxt.value.value, str)
-            ):
-                docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
-
-
 def muon_fields() -> List[dataclasses.Field]:
     """The ``muon_*`` fields of ``MuonConfig`` (own and inherited from ``OptimizerConfig``)."""
-    from megatron_muon.config import MuonConfig
-
     return [f for f in dataclasses.fields(MuonConfig) if f.name.startswith("muon_")]
 
 
 def _hints() -> Dict[str, Any]:
-    from megatron_muon.config import MuonConfig
-
     return typing.get_type_hints(MuonConfig)
 
 
@@ -146,11 +121,9 @@ def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = F
     missing spellings are added (a boolean's ``--no-muon-x`` next to Megatron's
     ``--muon-x``, for instance); without it, a clash is argparse's error.
     """
-    group = parser.add_argument_group(
-        "Muon (generated from megatron_muon.MuonConfig; used with --optimizer muon)"
-    )
+    group = parser.add_argument_group("Muon (generated from megatron_muon.MuonConfig; used with --optimizer muon)")
     taken = set(parser._option_string_actions) if reuse_existing else set()
-    hints, docs = _hints(), field_docstrings(_config_class())
+    hints, docs = _hints(), field_docstrings(MuonConfig)
     for f in muon_fields():
         kind = _kind(hints[f.name])
         if kind is None:
@@ -168,29 +141,12 @@ def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = F
                     *options, dest=f.name, action=BoolFlag, negatives=negatives, default=default,
                     help=f"{help_text} (default: {default}; disable with {negatives[0]})",
                 )
-        elif flag in taken:
-            continue
-        elif kind == "dtype":
-            group.add_argument(
-                flag, dest=f.name, type=parse_dtype, default=default, metavar="{bf16,fp32,fp16}",
-                help=f"{help_text} (default: {DTYPE_NAMES.get(default, default)})",
-            )
-        elif kind == "str_tuple":
-            group.add_argument(
-                flag, dest=f.name, nargs="*", type=str, default=list(default or ()),
-                help=f"{help_text} (default: none)",
-            )
-        else:
-            group.add_argument(
-                flag, dest=f.name, type={"int": int, "float": float, "str": str}[kind],
-                default=default, help=f"{help_text} (default: {default})",
-            )
-
-
-def _config_class() -> type:
-    from megatron_muon.config import MuonConfig
-
-    return MuonConfig
+        elif flag not in taken:
+            shown = DTYPE_NAMES.get(default) if kind == "dtype" else default
+            if kind == "str_tuple":
+                shown, default = " ".join(default or ()) or "none", list(default or ())
+            group.add_argument(flag, dest=f.name, default=default, help=f"{help_text} (default: {shown})",
+                               **VALUE_KINDS[kind])
 
 
 def muon_kwargs(args: argparse.Namespace) -> Dict[str, Any]:

@@ -37,11 +37,7 @@ def recipe_dirs() -> List[Path]:
 
 
 def available_recipes() -> List[str]:
-    names = set()
-    for d in recipe_dirs():
-        if d.is_dir():
-            names.update(p.stem for p in d.glob("*.yaml"))
-    return sorted(names)
+    return sorted({p.stem for d in recipe_dirs() if d.is_dir() for p in d.glob("*.yaml")})
 
 
 def find_recipe(name_or_path: str) -> Path:
@@ -88,14 +84,10 @@ def _bool_tokens(key: str, action: argparse.Action, value: bool) -> List[str]:
         positive = next(o for o in action.option_strings if o not in action.negatives)
         want = value != negative  # the value of the destination
         return [positive] if want else [action.negatives[0]]
-    if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
-        if flag not in action.option_strings:  # keyed by destination
-            return [action.option_strings[0]] if value else []
-        return [flag] if value else []
-    if isinstance(action, argparse._StoreFalseAction):  # noqa: SLF001
-        if flag not in action.option_strings:  # keyed by destination: value is the dest's value
-            return [] if value else [action.option_strings[0]]
-        return [flag] if value else []
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):  # noqa: SLF001
+        if flag in action.option_strings:  # keyed by the flag: true gives it
+            return [flag] if value else []
+        return [action.option_strings[0]] if value == action.const else []  # keyed by the destination
     raise RecipeError(f"recipe key {key!r} is a value flag; give it a value, not {value!r}")
 
 
@@ -129,6 +121,4 @@ def recipe_to_argv(recipe: Dict[str, Any], parser: argparse.ArgumentParser) -> L
 
 
 def _token(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
+    return str(value).lower() if isinstance(value, bool) else str(value)

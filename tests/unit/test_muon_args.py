@@ -9,8 +9,8 @@ import argparse
 def test_help_renders_every_generated_flag():
     # argparse %-formats each help string: a docstring with a literal "%" (the split-NS
     # link prices say "at 80 %") made ``--help`` raise ValueError for the whole parser.
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron_lm.muon_args import add_muon_arguments, field_docstrings, muon_fields
+    from megatron_muon.config import MuonConfig, field_docstrings
+    from megatron_muon.megatron_lm.muon_args import add_muon_arguments, muon_fields
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
     add_muon_arguments(parser)

@@ -55,10 +55,10 @@ def own_fields() -> List[dataclasses.Field]:
 
 def table() -> str:
     """The markdown table (raises when a field has no docstring)."""
-    from megatron_muon.config import MuonConfig
+    from megatron_muon.config import MuonConfig, field_docstrings
     from megatron_muon.megatron_lm import muon_args
 
-    docs = muon_args.field_docstrings(MuonConfig)
+    docs = field_docstrings(MuonConfig)
     hints = typing.get_type_hints(MuonConfig)
     no_flag = set(muon_args.non_cli_fields())
     rows = []
