@@ -13,6 +13,8 @@ import functools
 import io
 import os
 import sys
+import traceback
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import corpus, cpu, recipes
@@ -100,15 +102,11 @@ def accept_qk_clip_with_recording_attention() -> None:
 
 
 def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
-    """Megatron-LM's ``parse_and_validate_args`` on ``argv`` with the recipe expanded.
-
-    Bad input (unknown recipe, invalid ``--muon-*`` value, a flag Megatron-LM rejects) ends
-    the process with one line on stderr and exit code 2, before any model is built.
-    """
+    """Megatron-LM's ``parse_and_validate_args`` on ``argv`` with the recipe expanded; bad input
+    ends the process with one line and exit code 2 (:func:`_megatron_argv`), nothing built."""
     from megatron.training.arguments import parse_and_validate_args
 
-    with _errors_as_one_line():
-        sys.argv = [_prog()] + expand_recipe(argv)
+    with _megatron_argv(argv):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         check_checkpoint_to_load(args)
@@ -138,8 +136,7 @@ def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespa
     install_argument_layers()
     if not cpu.use_cuda():
         cpu.no_device_architecture()  # validation reads it with TP > 1
-    with _errors_as_one_line():
-        sys.argv = [_prog()] + expand_recipe(argv)
+    with _megatron_argv(argv):
         args = arguments.parse_args(extra_args_provider)
         args.rank, args.world_size = 0, world_size
         # Only a GPU kernel's availability is checked for it (torch.cuda, absent here).
@@ -150,18 +147,21 @@ def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespa
     return args
 
 
-def _prog() -> str:
-    return sys.argv[0] if sys.argv else "pretrain_gpt.py"
-
-
 @contextlib.contextmanager
-def _errors_as_one_line():
-    """Validation errors (Megatron-LM asserts, our ValueErrors) as :func:`_one_line_error`."""
+def _megatron_argv(argv: Sequence[str]):
+    """``sys.argv`` as Megatron-LM's parser reads it (``argv``, the recipe expanded) inside the
+    block. Its errors (Megatron-LM asserts, our ValueErrors) end as :func:`_one_line_error`; a
+    bare ``assert`` of Megatron-LM's (``--save`` without ``--save-interval``...) as its source
+    line, which names the argument."""
     saved = list(sys.argv)
+    prog = saved[0] if saved else "pretrain_gpt.py"
     try:
+        sys.argv = [prog] + expand_recipe(argv)
         yield
     except (recipes.RecipeError, corpus.CorpusError, ValueError, AssertionError) as exc:
-        _one_line_error(saved[0] if saved else "pretrain_gpt.py", str(exc) or type(exc).__name__)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        bare = f"Megatron-LM's check `{where.line}` failed ({'/'.join(Path(where.filename).parts[-3:])}:{where.lineno})"
+        _one_line_error(prog, str(exc) or bare)
     finally:
         sys.argv = saved
 
@@ -190,7 +190,6 @@ def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def console_main() -> int:
     """``megatron-muon-pretrain``: runs ``tools/pretrain_gpt.py`` (installed beside the recipes)."""
     import runpy
-    from pathlib import Path
 
     for candidate in (Path(__file__).resolve().parents[2] / "tools", Path(sys.prefix) / "share" / "megatron_muon" / "tools"):
         script = candidate / "pretrain_gpt.py"

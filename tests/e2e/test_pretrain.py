@@ -149,6 +149,8 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
     (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
     (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
     (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
+    # a bare assert of Megatron-LM's validation: its source line names the argument
+    (["--recipe", "tiny_gqa", "--save", "ckpt_never_written"], "check `assert args.save_interval is not None` failed"),
 ])
 def test_bad_input_one_line_exit_2_before_any_model(argv, says):
     proc = launch(PRETRAIN + argv, timeout=120)
