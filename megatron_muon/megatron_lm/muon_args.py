@@ -28,6 +28,8 @@ from megatron_muon.config import MuonConfig, field_docstrings
 
 DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
                                    "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+HINTS: Dict[str, Any] = typing.get_type_hints(MuonConfig)
+"""MuonConfig's field annotations, resolved (the kind of flag each field gets)."""
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
 
 # Megatron-LM's own spellings of the same settings (its arguments.py).
@@ -91,14 +93,9 @@ def muon_fields() -> List[dataclasses.Field]:
     return [f for f in dataclasses.fields(MuonConfig) if f.name.startswith("muon_")]
 
 
-def _hints() -> Dict[str, Any]:
-    return typing.get_type_hints(MuonConfig)
-
-
 def non_cli_fields() -> List[str]:
     """``muon_*`` fields whose type has no command-line form (set them from Python)."""
-    hints = _hints()
-    return [f.name for f in muon_fields() if _kind(hints[f.name]) is None]
+    return [f.name for f in muon_fields() if _kind(HINTS[f.name]) is None]
 
 
 def flag_name(field_name: str) -> str:
@@ -123,9 +120,9 @@ def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = F
     """
     group = parser.add_argument_group("Muon (generated from megatron_muon.MuonConfig; used with --optimizer muon)")
     taken = set(parser._option_string_actions) if reuse_existing else set()
-    hints, docs = _hints(), field_docstrings(MuonConfig)
+    docs = field_docstrings(MuonConfig)
     for f in muon_fields():
-        kind = _kind(hints[f.name])
+        kind = _kind(HINTS[f.name])
         if kind is None:
             continue
         default = _default(f)
@@ -152,14 +149,13 @@ def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = F
 def muon_kwargs(args: argparse.Namespace) -> Dict[str, Any]:
     """The ``muon_*`` keyword arguments of ``MuonConfig`` from parsed arguments."""
     out: Dict[str, Any] = {}
-    hints = _hints()
     for f in muon_fields():
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
         if isinstance(value, str):
             value = VALUE_TRANSLATIONS.get(f.name, {}).get(value, value)
-        if _kind(hints[f.name]) == "str_tuple" and value is not None:
+        if _kind(HINTS[f.name]) == "str_tuple" and value is not None:
             value = tuple(value)
         out[f.name] = value
     return out

@@ -22,11 +22,11 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.helpers.training import GBS, MBS, build
+from tests.helpers.training import GBS, MBS, MASTER_OFFLOAD, build
 
-PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True), "bf16-offload": dict(bf16=True)}
-PRECISION_CONFIGS = {"bf16-offload": dict(muon_cpu_offload=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)}
-"""Optimizer settings of a case beyond its model precision: momentum and fp32 masters on the CPU."""
+PRECISIONS = {"fp32": ({}, {}), "bf16": (dict(bf16=True), {}), "fp16": (dict(fp16=True), {}),
+              "bf16-offload": (dict(bf16=True), MASTER_OFFLOAD)}
+"""name -> (model precision, optimizer settings beyond it)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -104,10 +104,9 @@ def _non_finite_run():
     from megatron_muon.non_finite import NonFiniteGradientError
 
     out = {"cases": {}}
-    for precision, flags in PRECISIONS.items():
+    for precision, (flags, settings) in PRECISIONS.items():
         spec = M.TinyModelSpec(kind="moe", **flags)
         scaler = dict(initial_loss_scale=2.0**10, hysteresis=1) if precision == "fp16" else {}
-        settings = PRECISION_CONFIGS.get(precision, {})
         chunks, model, opt, sched = build(spec, **scaler, **settings)
         batches = M.synthetic_batches(spec, GBS, 3, seed=7)
         assert M.train_step(model, opt, batches[0], MBS, spec)[1]  # state exists

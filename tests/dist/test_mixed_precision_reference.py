@@ -34,7 +34,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.helpers.training import GBS, MBS, build, muon_config
+from tests.helpers.training import GBS, MASTER_OFFLOAD, MBS, build, muon_config
 
 STEPS = 3
 """Steps per case: the tolerance holds over all of them (the momentum carries over)."""
@@ -43,10 +43,9 @@ TOL = 1e-5
 two implementations, e.g. batched against one-at-a-time Newton–Schulz products)."""
 FP16_SCALER = dict(initial_loss_scale=2.0**12, hysteresis=1)
 """Megatron's dynamic scaler, at a scale that leaves the tiny model's fp16 grads finite."""
-OFFLOAD_MASTERS = dict(muon_cpu_offload=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
 CASES = {
     "bf16": (dict(bf16=True), {}),
-    "bf16-masters-offloaded": (dict(bf16=True), OFFLOAD_MASTERS),
+    "bf16-masters-offloaded": (dict(bf16=True), MASTER_OFFLOAD),
     "fp16": (dict(fp16=True), FP16_SCALER),
 }
 """name -> (model precision, optimizer settings beyond tests.helpers.training.BASE_CFG)."""

@@ -11,7 +11,7 @@ import torch
 
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
-from tests.helpers.training import GBS, MBS, build, max_rel_err, reference, train, train_steps
+from tests.helpers.training import GBS, MASTER_OFFLOAD, MBS, build, max_rel_err, reference, train, train_steps
 
 VR = dict(muon_variance_reduction=0.9)
 CAUTIOUS = dict(muon_cautious_weight_decay=True)
@@ -113,7 +113,7 @@ def test_variants_equal_reference(references, world, layout, model):
 # ---------------------------------------------------------------------------------------
 # The fp32 masters offloaded too (Megatron's optimizer_cpu_offload), on a bf16 model
 # ---------------------------------------------------------------------------------------
-OFFLOAD_MASTERS = dict(OFFLOAD, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0, muon_chunk_numel=3000)
+OFFLOAD_MASTERS = dict(MASTER_OFFLOAD, muon_chunk_numel=3000)
 QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: QK-Clip rescales the offloaded masters
 MASTER_OFFLOAD_TP_MODES = ("exact", "duplicated")
 

@@ -25,6 +25,9 @@ BASE_CFG = dict(
 # not the extra bf16 rounding of the (default) bf16 wire format, which AdamW then amplifies
 # into sign flips of near-zero embedding gradients.
 BF16_NS = dict(muon_ns_dtype=torch.bfloat16, muon_comm_dtype=torch.float32)
+# The Muon momentum and the fp32 masters of a bf16/fp16 model on the CPU (Megatron's offload
+# switches, which megatron_muon accepts only together with muon_cpu_offload and fraction 1).
+MASTER_OFFLOAD = dict(muon_cpu_offload=True, optimizer_cpu_offload=True, optimizer_offload_fraction=1.0)
 
 
 def muon_config(spec: M.TinyModelSpec, **overrides):
