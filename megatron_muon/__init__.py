@@ -5,8 +5,7 @@
 
 Importing the package has no side effects and imports nothing heavy: each name below is
 imported from its module on first use (so ``megatron_muon.megatron_lm.cpu`` can quiet
-Megatron-core's import-time notices before Megatron-core is imported). The CPU/gloo patches
-of ``megatron_muon.cpu`` are applied only when asked for.
+Megatron-core's import-time notices before Megatron-core is imported).
 """
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "MuonParamLayout": "buffer_layout",
-    "muon_param_layout": "buffer_layout",
-    "MuonChainedOptimizer": "chained_optimizer",
+    "OwnerAlignedParamLayout": "buffer_layout",
+    "owner_aligned_param_layout": "buffer_layout",
+    "MuonChainedOptimizer": "optimizer",
     "MuonConfig": "config",
     "update_scale": "config",
     "get_muon_optimizer": "factory",
@@ -30,12 +29,11 @@ __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from .buffer_layout import MuonParamLayout, muon_param_layout  # noqa: F401
-    from .chained_optimizer import MuonChainedOptimizer  # noqa: F401
+    from .buffer_layout import OwnerAlignedParamLayout, owner_aligned_param_layout  # noqa: F401
     from .config import MuonConfig, update_scale  # noqa: F401
     from .factory import get_muon_optimizer  # noqa: F401
     from .matrices import Block, LogicalMatrix, register_layout  # noqa: F401
-    from .optimizer import MuonDistributedOptimizer  # noqa: F401
+    from .optimizer import MuonChainedOptimizer, MuonDistributedOptimizer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -22,14 +22,13 @@ ranks. Megatron-core 0.19 lets the optimizer choose the layout
   a matrix sits at the same DP index on every TP rank: the DP reduce-scatter delivers a
   matrix to the DP index that owns it, and Muon only moves TP pieces inside the TP group.
 
-``muon_param_layout`` is the public entry point (call it on each un-wrapped model chunk and
-pass the result to DDP); ``get_muon_optimizer`` recognises the layout (``MuonParamLayout``).
+``owner_aligned_param_layout`` is the public entry point (call it on each un-wrapped model chunk and
+pass the result to DDP); ``get_muon_optimizer`` recognises the layout (``OwnerAlignedParamLayout``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -46,6 +45,8 @@ from megatron.core.optimizer.param_layout import (
 
 from .config import MuonConfig
 from .newton_schulz import newton_schulz_flops
+from .process_groups import gpus_per_node as local_gpus_per_node
+from .process_groups import parallel_groups
 
 GROWTH = 1.01
 """Shard capacity grows by this factor while the parameters do not fit."""
@@ -60,24 +61,24 @@ falling back to whole params per node (see ``_pack_bucket``)."""
 
 
 @dataclass
-class MuonParamLayout(FullParamLayout):
-    """A ``FullParamLayout`` computed by :func:`muon_param_layout` (owner-aligned Muon buffers)."""
+class OwnerAlignedParamLayout(FullParamLayout):
+    """A ``FullParamLayout`` computed by :func:`owner_aligned_param_layout` (owner-aligned Muon buffers)."""
 
 
-def muon_param_layout(
+def owner_aligned_param_layout(
     config: MuonConfig,
     model_chunk: torch.nn.Module,
     ddp_config,
     disable_bucketing: bool = False,
     pg_collection=None,
     gpus_per_node: Optional[int] = None,
-) -> MuonParamLayout:
+) -> OwnerAlignedParamLayout:
     """The owner-aligned ``full_param_layout`` for one un-wrapped model chunk.
 
     Build every chunk's layout with the same ``config`` and ``ddp_config`` you then give
     ``DistributedDataParallel`` and ``get_muon_optimizer``::
 
-        layout = muon_param_layout(config, chunk, ddp_config, disable_bucketing=i > 0)
+        layout = owner_aligned_param_layout(config, chunk, ddp_config, disable_bucketing=i > 0)
         DistributedDataParallel(tf_config, ddp_config, chunk, disable_bucketing=i > 0,
                                 full_param_layout=layout)
 
@@ -88,30 +89,17 @@ def muon_param_layout(
     the visible GPUs) keeps a matrix that must straddle DP shards inside one node where it
     can (Megatron orders ranks TP, CP, EP fastest, then DP).
     """
-    from megatron.core import parallel_state
-
     from .matrices import collect_muon_params
 
-    if pg_collection is not None:
-        dp_size, edp_size = pg_collection.intra_dp_cp.size(), pg_collection.intra_expt_dp.size()
-        tp_size, etp_size = pg_collection.tp.size(), getattr(pg_collection, "expt_tp", pg_collection.tp).size()
-        pp_rank = pg_collection.pp.rank()
-        cp_size = pg_collection.cp.size() if getattr(pg_collection, "cp", None) is not None else 1
-        ep_size = pg_collection.ep.size() if getattr(pg_collection, "ep", None) is not None else 1
-    else:
-        dp_size = parallel_state.get_data_parallel_world_size(with_context_parallel=True, partial_data_parallel=True)
-        edp_size = parallel_state.get_expert_data_parallel_world_size(partial_expert_data_parallel=True)
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        etp_size = parallel_state.get_expert_tensor_parallel_world_size()
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        cp_size = parallel_state.get_context_parallel_world_size()
-        ep_size = parallel_state.get_expert_model_parallel_world_size()
+    groups = parallel_groups(pg_collection)
+    dp_size, edp_size = groups.intra_dp_cp.size(), groups.intra_expt_dp.size()
+    tp_size, etp_size = groups.tp.size(), groups.expt_tp.size()
     if gpus_per_node is None:
-        gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count() or 1
+        gpus_per_node = local_gpus_per_node()
     bucket_size = ddp_config.bucket_size
     if bucket_size is None:
         bucket_size = max(40_000_000, 1_000_000 * dp_size)  # DDP's default
-    if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
+    if not ddp_config.overlap_grad_reduce or disable_bucketing or groups.pp_rank > 0:
         bucket_size = None
 
     def tp_size_of(param: torch.nn.Parameter) -> int:
@@ -123,7 +111,8 @@ def muon_param_layout(
     params = [p for p in model_chunk.parameters() if p.requires_grad]
     return compute_full_param_layout(
         params, flops, bucket_size, dp_size, ddp_config, edp_size,
-        shards_per_node=(max(1, gpus_per_node // (tp_size * cp_size)), max(1, gpus_per_node // (etp_size * ep_size))),
+        shards_per_node=(max(1, gpus_per_node // (tp_size * groups.cp_size)),
+                         max(1, gpus_per_node // (etp_size * groups.ep_size))),
     )
 
 
@@ -150,7 +139,7 @@ def compute_full_param_layout(
     ddp_config,
     expert_data_parallel_world_size: Optional[int] = None,
     shards_per_node: Tuple[int, int] = (1, 1),
-) -> MuonParamLayout:
+) -> OwnerAlignedParamLayout:
     """Like ``DistributedOptimizer.compute_full_param_layout``: one layout per DDP buffer,
     owner-aligned for the tagged (Muon) buffers, Megatron's byte-level for the rest.
     ``shards_per_node``: consecutive (dense, expert) DP shards that share a node."""
@@ -160,7 +149,7 @@ def compute_full_param_layout(
         if key.is_expert_parallel and expert_data_parallel_world_size is not None:
             dp = expert_data_parallel_world_size
         if key.is_managed_by_layer_wise_optimizer:
-            layouts[key] = owner_aligned_layout(
+            layouts[key] = owner_aligned_buffer_layout(
                 group_params, lambda p: flops.get(p, 0), bucket_size, dp, ddp_config, param_indices,
                 shards_per_node[1 if key.is_expert_parallel else 0],
             )
@@ -168,10 +157,10 @@ def compute_full_param_layout(
             layouts[key] = DistributedOptimizer._compute_per_buffer_param_layout(
                 group_params, bucket_size, dp, ddp_config, param_indices
             )
-    return MuonParamLayout(layouts=layouts)
+    return OwnerAlignedParamLayout(layouts=layouts)
 
 
-def owner_aligned_layout(
+def owner_aligned_buffer_layout(
     params: List[torch.nn.Parameter],
     cost: Callable[[torch.nn.Parameter], int],
     bucket_size: Optional[int],
@@ -310,6 +299,6 @@ def _straddle_start(cursor: int, numel: int, capacity: int, shards_per_node: int
     return cursor
 
 
-def is_muon_param_layout(model_chunks: Sequence[torch.nn.Module]) -> bool:
-    """Whether every DDP chunk was built with :func:`muon_param_layout`."""
-    return all(isinstance(getattr(c, "full_param_layout", None), MuonParamLayout) for c in model_chunks)
+def is_owner_aligned(model_chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether every DDP chunk was built with :func:`owner_aligned_param_layout`."""
+    return all(isinstance(getattr(c, "full_param_layout", None), OwnerAlignedParamLayout) for c in model_chunks)

@@ -1,8 +1,9 @@
 """Reshardable checkpoints of the Muon optimizer in Megatron ``dist_checkpointing`` (torch_dist).
 
 Every optimizer state tensor is saved in *model coordinates*: for each model parameter,
-the fp32 master weight (``param``), and either its Muon momentum (``momentum_buffer``) or
-its AdamW moments (``exp_avg``, ``exp_avg_sq``), each with the shape of the parameter and
+its fp32 master weight (``param``) and its states (the registry's, ``state.MUON_STATES``,
+for a Muon matrix: ``momentum_buffer``, with variance reduction ``second_moment``; AdamW's
+``exp_avg``, ``exp_avg_sq`` for the others), each with the shape of the parameter and
 exactly the parameter's own sharding metadata (global key, global offsets, TP/PP/EP
 fragmentation, GLU and expert factories, replica ids). So whatever layouts Megatron can
 reshard the model between (TP, PP, EP, expert-TP, DP, the expert storage layouts), it
@@ -11,10 +12,13 @@ follow. The key names are Megatron's ``fully_reshardable`` names
 (``optimizer.state.<state>.<param key>``), so a Megatron AdamW checkpoint differs from
 ours only in which state keys exist (``tools/convert_checkpoint.py`` converts).
 
-Saving: each rank all-gathers, over its data-parallel group, the distributed-optimizer
-shards of every bucket, so it holds its TP-local parameters' full state; Megatron then
-writes one copy (replica ids). Loading: each rank reads its TP-local parameters' state
-and keeps the byte range its DP shard owns; no dummy step is needed.
+Saving: states kept per logical matrix on its owner are first expanded to the matrix and
+cut to the holders of its pieces (the step's own scatter, in fp32); then each rank
+all-gathers, over its data-parallel group, the shards of every bucket, so it holds its
+TP-local parameters' full state; Megatron writes one copy (replica ids). Loading: each
+rank reads its TP-local parameters' state and keeps its master's range; owner-kept states
+travel back to the (possibly different) owners. A state the checkpoint lacks (switched on
+since) starts at zero; one it holds but the run does not use is ignored.
 
 ``save_checkpoint`` / ``load_checkpoint`` write and read a whole training state (model,
 optimizer, extra objects) atomically: everything goes to a temporary directory, gets a
@@ -25,28 +29,28 @@ and falls back to ``<dir>.old`` when a re-save was interrupted between its two r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import types
 from dataclasses import replace
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.api
 
 from .integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
+from .pipeline import gather_matrices, scatter_matrices
+from .state import ADAM_STATES, MUON_STATES, muon_states
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "megatron_muon/1"
 # torch's distributed-checkpoint errors derive from BaseException, not Exception.
 _READ_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
-MUON_KEYS = ("momentum_buffer",)
-SECOND_MOMENT = "second_moment"
-"""Variance reduction's factored second moment, saved expanded to the parameter's shape
-(each element holds its row's or column's value) so that it reshards like the rest."""
-ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+STATE_PREFIX = "optimizer.state."
 
 
 class CheckpointError(RuntimeError):
@@ -61,6 +65,30 @@ __all__ = ["CheckpointError", "CheckpointIntegrityError", "save_checkpoint", "lo
 # ---------------------------------------------------------------------------------------
 
 
+def state_key(state: str, model_key: str) -> str:
+    """The checkpoint key of one optimizer state of one model tensor."""
+    return f"{STATE_PREFIX}{state}.{model_key}"
+
+
+def state_names(opt, param) -> Tuple[str, ...]:
+    """The states a checkpoint holds for ``param`` of one optimizer: its fp32 master
+    (``param``), then the registry's enabled states (Muon matrix) or AdamW's."""
+    if id(param) in opt.muon_param_ids:
+        return ("param",) + tuple(s.name for s in muon_states(opt.config))
+    return ("param",) + ADAM_STATES
+
+
+def saved_config(common: Dict[str, Any]) -> types.SimpleNamespace:
+    """The MuonConfig settings a checkpoint was saved with (defaults where it says nothing,
+    as in a checkpoint converted from AdamW)."""
+    from .config import MuonConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(MuonConfig) if f.default is not dataclasses.MISSING}
+    opt = common.get("optimizer")
+    saved = opt.get("muon_config", {}) if isinstance(opt, dict) else {}
+    return types.SimpleNamespace(**{**defaults, **saved})
+
+
 def _model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
     """id(param) -> its ShardedTensor / ShardedTensorFactory in the model's state dict."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -73,85 +101,76 @@ def _model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
     return out
 
 
-def _state_keys(opt, param) -> tuple:
-    if id(param) not in opt.muon_param_ids:
-        return ("param",) + ADAM_KEYS
-    return ("param",) + MUON_KEYS + ((SECOND_MOMENT,) if opt.second_moments is not None else ())
-
-
-def _expanded_second_moments(opt) -> Dict[int, torch.Tensor]:
-    """id(master shard) -> this rank's piece of the expanded second moment (collective
-    over the orthogonalization group: the owners scatter them)."""
-    if opt.second_moments is None:
-        return {}
-    pieces = opt.second_moments.expanded_shards(opt.pipeline, opt._shards)
-    return {id(main): piece for main, piece in zip(opt._shards, pieces) if main is not None}
-
-
-def _local_state(opt, param, key: str, derived: Optional[Dict[int, torch.Tensor]] = None) -> Optional[torch.Tensor]:
-    """This rank's 1-D shard of one state of ``param`` (zeros if not yet allocated);
-    ``derived``: states not kept per shard (the expanded second moments), by id(main)."""
-    held = opt.shard_of(param)
-    if held is None:
-        return None
-    main, _, _ = held
-    if key == "param":
-        return main
-    if key == SECOND_MOMENT:
-        return derived[id(main)]
-    state = opt.optimizer.state.get(main, {})
-    value = state.get(key)
-    return value if value is not None else torch.zeros_like(main, dtype=torch.float32)
+@torch.no_grad()
+def _shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+    """id(param) -> {state: this rank's 1-D range of it} for every param whose master this
+    rank holds (zeros for a state not allocated yet). Collective over the orthogonalization
+    group when there are owner-kept states: the owners scatter them, expanded."""
+    owner_kept = [s.name for s in muon_states(opt.config, "owner")]
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for shard in opt.shard_map:
+        if shard.master is None:
+            continue
+        state = opt.optimizer.state.get(shard.master, {})
+        values = out[id(shard.param)] = {}
+        for name in state_names(opt, shard.param):
+            value = shard.master if name == "param" else state.get(name) if name not in owner_kept else None
+            values[name] = value if value is not None else torch.zeros_like(shard.master, dtype=torch.float32)
+    step = opt.muon
+    for name in owner_kept:
+        for msg in step.messages:
+            expanded = [step.owner_states.expanded(name, job, step.device) for job in msg.owned]
+            for (p, start, end), piece in scatter_matrices(step, msg, expanded):
+                out[id(opt.muon_params[p].param)][name][start:end] = piece
+    return out
 
 
 @torch.no_grad()
 def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
-    """Every param of ``opt``'s buffers -> {state key: full TP-local tensor}, all-gathered
-    over the data-parallel group bucket by bucket (one collective per bucket and key)."""
+    """Every param of ``opt``'s buffers -> {state: full TP-local tensor}, all-gathered
+    over the data-parallel group bucket by bucket (one collective per bucket and state)."""
+    local = _shard_values(opt)
     out: Dict[int, Dict[str, torch.Tensor]] = {}
-    derived = _expanded_second_moments(opt)
-    for gbuf_idx, buffer in enumerate(opt.buffers):
+    for buffer in opt.shard_map.buffers:
         group = buffer.data_parallel_group
         size = group.size()
-        (ranges,) = opt.gbuf_ranges[gbuf_idx].values()
-        for bucket_idx, bucket in enumerate(buffer.buckets):
+        for bucket in buffer.buckets:
             numel = bucket.grad_data.numel()
-            param_map = ranges[bucket_idx]["param_map"]
-            keys = sorted({k for p in bucket.params_list for k in _state_keys(opt, p)})
-            for key in keys:
-                local = torch.zeros(numel // size, dtype=torch.float32, device=bucket.grad_data.device)
-                for param, rng in param_map.items():
-                    if key in _state_keys(opt, param):
-                        local[rng["gbuf_local"].start : rng["gbuf_local"].end] = _local_state(opt, param, key, derived)
-                world = torch.empty(numel, dtype=torch.float32, device=local.device)
-                if size > 1:
-                    dist.all_gather_into_tensor(world, local, group=group)
-                else:
-                    world.copy_(local)
+            shard_start = group.rank() * (numel // size)
+            names = sorted({n for p in bucket.params_list for n in state_names(opt, p)})
+            for name in names:
+                mine = torch.zeros(numel // size, dtype=torch.float32, device=bucket.grad_data.device)
                 for param in bucket.params_list:
-                    if key not in _state_keys(opt, param):
+                    shard = opt.shard_map[param]
+                    if shard.master is None or name not in state_names(opt, param):
                         continue
-                    start, end, _ = buffer.param_index_map[param]
-                    full = world[start - bucket.offset : end - bucket.offset]
-                    out.setdefault(id(param), {})[key] = full.view(param.shape).clone()
+                    start = buffer.param_index_map[param][0] - bucket.offset + shard.start - shard_start
+                    mine[start : start + shard.end - shard.start] = local[id(param)][name]
+                world = torch.empty(numel, dtype=torch.float32, device=mine.device)
+                if size > 1:
+                    dist.all_gather_into_tensor(world, mine, group=group)
+                else:
+                    world.copy_(mine)
+                for param in bucket.params_list:
+                    if name in state_names(opt, param):
+                        start, end, _ = buffer.param_index_map[param]
+                        full = world[start - bucket.offset : end - bucket.offset]
+                        out.setdefault(id(param), {})[name] = full.view(param.shape).clone()
     return out
 
 
-def _params_in_order(opt):
+def _params_in_order(opt) -> Iterator[Tuple[str, torch.nn.Parameter]]:
     """(python key, param) for every param of ``opt``'s buffers, in a fixed order.
 
-    The python keys only need to match between ``optimizer_sharded_state`` and
-    ``load_optimizer_state`` of the same process (the checkpoint itself is keyed by
-    ``ShardedTensor.key`` and offsets), so the buffer position is enough."""
-    i = 0
-    for buffer in opt.buffers:
-        for param in buffer.param_index_map:
-            yield f"{opt.name}.{i}", param
-            i += 1
+    The python keys only need to match between saving and loading in the same process
+    (the checkpoint itself is keyed by ``ShardedTensor.key`` and offsets), so the buffer
+    position is enough."""
+    for i, param in enumerate(opt.shard_map.params):
+        yield f"{opt.name}.{i}", param
 
 
-def optimizer_sharded_state(opt, model_sharded_state_dict, is_loading: bool) -> Dict[str, Dict[str, Any]]:
-    """``{python key: {state key: ShardedTensor(-Factory)}}`` for one MuonDistributedOptimizer."""
+def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dict[str, Dict[str, Any]]:
+    """``{python key: {state: ShardedTensor(-Factory)}}`` for one MuonDistributedOptimizer."""
     metadata = _model_param_metadata(model_sharded_state_dict)
     full = {} if is_loading else gather_full_states(opt)
     out: Dict[str, Dict[str, Any]] = {}
@@ -164,13 +183,13 @@ def optimizer_sharded_state(opt, model_sharded_state_dict, is_loading: bool) -> 
                 "from the same model chunks the optimizer was built for."
             )
         entry = {}
-        for key in _state_keys(opt, param):
+        for key in state_names(opt, param):
             data = (
                 torch.empty(param.shape, dtype=torch.float32, device=param.device)
                 if is_loading
                 else full[id(param)][key]
             )
-            kwargs = dict(key=f"optimizer.state.{key}.{sh.key}", data=data)
+            kwargs = dict(key=state_key(key, sh.key), data=data)
             if hasattr(sh, "dtype"):
                 kwargs["dtype"] = torch.float32
             entry[key] = replace(sh, **kwargs)
@@ -178,38 +197,71 @@ def optimizer_sharded_state(opt, model_sharded_state_dict, is_loading: bool) -> 
     return out
 
 
+def optimizer_sharded_state(chain, model_sharded_state_dict, is_loading: bool) -> Dict[str, Any]:
+    """The ``MuonChainedOptimizer``'s whole sharded state (``sharded_state_dict``)."""
+    param_state: Dict[str, object] = {}
+    for opt in chain.muon_optimizers:
+        param_state.update(_sharded_param_state(opt, model_sharded_state_dict, is_loading))
+    cfg = chain.config
+    return {
+        "format": FORMAT,
+        "step": chain.num_steps,
+        "optimizers": {opt.name: opt.common_state() for opt in chain.muon_optimizers},
+        "muon_config": {
+            k: (str(v) if isinstance(v, torch.dtype) else v)
+            for k, v in vars(cfg).items()
+            if (k.startswith("muon_") or k in ("lr", "min_lr", "weight_decay", "clip_grad", "bf16", "fp16"))
+            and not callable(v)
+        },
+        "param_state": param_state,
+    }
+
+
 @torch.no_grad()
-def load_optimizer_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
-    """Put loaded model-coordinate tensors back into ``opt``'s shards and optimizer state
-    (collective over the orthogonalization group with variance reduction: the owners
-    gather their matrices' second moments)."""
-    second_moments: Dict[int, torch.Tensor] = {}
+def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
+    """Load what ``dist_checkpointing.load`` returned for :func:`optimizer_sharded_state`
+    into the chained optimizers (collective over each orthogonalization group when there
+    are owner-kept states: the holders send their pieces to the new owners)."""
+    if not (isinstance(state_dict, dict) and state_dict.get("format") == FORMAT):
+        raise CheckpointError(
+            "This optimizer state was not written by megatron_muon (for a Megatron AdamW checkpoint, "
+            "convert it with tools/convert_checkpoint.py adam-to-muon)."
+        )
+    chain.num_steps = int(state_dict["step"])
+    commons = state_dict["optimizers"]
+    for opt in chain.muon_optimizers:
+        _load_param_state(opt, state_dict["param_state"], chain.num_steps)
+        opt.load_common_state(commons.get(opt.name) or commons["dense"])
+
+
+def _load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
+    owner_kept = {s.name: {} for s in muon_states(opt.config, "owner")}
     for name, param in _params_in_order(opt):
-        held = opt.shard_of(param)
-        if held is None:
+        shard = opt.shard_map[param]
+        if shard.master is None:
             continue
-        main, start, end = held
         tensors = param_state[name]
-        state = opt.optimizer.state[main]
-        for key in _state_keys(opt, param):
-            if key == SECOND_MOMENT and key not in tensors:
-                continue  # saved without variance reduction: the second moments start at 0
-            flat = tensors[key].reshape(-1)[start:end].to(main.device)
+        state = opt.optimizer.state[shard.master]
+        for key in state_names(opt, param):
+            if key not in tensors:
+                continue  # saved without this state (switched on since): it starts at zero
+            flat = tensors[key].reshape(-1)[shard.start : shard.end].to(shard.master.device)
             if key == "param":
-                main.copy_(flat)
-            elif key == SECOND_MOMENT:
-                second_moments[id(main)] = flat.clone()
+                shard.master.copy_(flat)
+            elif key in owner_kept:
+                owner_kept[key][id(shard.master)] = flat.clone()
             else:
                 state[key] = flat.clone()
         state["step"] = torch.tensor(float(step))
-    if opt.second_moments is not None:
-        saved = any(SECOND_MOMENT in param_state[name] for name, _ in _params_in_order(opt))
-        if saved:  # the same answer on every rank: it comes from the checkpoint's common state
-            shards = [second_moments.get(id(m)) if m is not None else None for m in opt._shards]
-            opt.second_moments.load_expanded_shards(opt.pipeline, shards)
-        else:
-            opt.second_moments.state.clear()
-    opt.state_loaded()
+    step_state = opt.muon
+    for key, pieces in owner_kept.items():
+        step_state.owner_states.values[key].clear()
+        if not any(key in param_state[name] for name, _ in _params_in_order(opt)):
+            continue  # the same answer on every rank: from the checkpoint's common state
+        inputs = [pieces.get(id(m)) if m is not None else None for m in step_state.masters]
+        for job, matrices in gather_matrices(step_state, inputs):
+            step_state.owner_states.set_from_expanded(key, job, matrices)
+    step_state.shard_states.adopt()
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,13 +364,6 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
         raise CheckpointError(f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}") from e
 
 
-def _has_second_moments(common: Dict[str, Any]) -> bool:
-    """Whether the checkpoint was saved with variance reduction on (so holds second moments)."""
-    opt = common.get("optimizer")
-    config = opt.get("muon_config", {}) if isinstance(opt, dict) else {}
-    return config.get("muon_variance_reduction") is not None
-
-
 def load_checkpoint(
     checkpoint_dir: str,
     model: List[torch.nn.Module],
@@ -359,9 +404,11 @@ def load_checkpoint(
     state: Dict[str, Any] = {"model": model_sd, "extra": {}}
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
-        if not _has_second_moments(common):
-            for entry in state["optimizer"]["param_state"].values():
-                entry.pop(SECOND_MOMENT, None)  # variance reduction turned on: they start at 0
+        saved = saved_config(common)
+        for s in MUON_STATES:
+            if not s.enabled(saved):  # switched on since: it starts at zero
+                for entry in state["optimizer"]["param_state"].values():
+                    entry.pop(s.name, None)
     same_world = common.get("world_size") == dist.get_world_size()
     if per_rank and same_world:
         state["per_rank"] = _per_rank_object(None)
@@ -382,10 +429,9 @@ def load_checkpoint(
             f"{checkpoint_dir} lacks {len(absent)} tensors this model and optimizer need, e.g. "
             f"{absent[:3]}: the checkpoint was saved for a different model config or optimizer."
         )
-    # Second moments of a run with variance reduction are simply not used when it is off.
-    skipped = ("_extra_state", "per_rank_state", f"optimizer.state.{SECOND_MOMENT}.") + (
-        () if load_optimizer else ("optimizer.",)
-    )
+    # States of the checkpoint's run this run does not use (variance reduction switched off).
+    unused_states = tuple(state_key(s.name, "") for s in MUON_STATES if not s.enabled(optimizer.config))
+    skipped = ("_extra_state", "per_rank_state") + unused_states + (() if load_optimizer else ("optimizer.",))
     unused = sorted(k for k in unused if not any(s in k for s in skipped))
     if unused:
         raise CheckpointError(
@@ -398,7 +444,7 @@ def load_checkpoint(
         if unknown:
             raise CheckpointError(f"model chunk {i} does not match {checkpoint_dir}: {unknown[:3]}")
     if load_optimizer:
-        optimizer.load_sharded(loaded["optimizer"])
+        load_optimizer_state(optimizer, loaded["optimizer"])
     else:
         optimizer.reload_model_params()
     extra = dict(common.get("extra", {}))

@@ -18,12 +18,13 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from megatron.core.optimizer import OptimizerConfig
 
+from .newton_schulz import COEFFICIENT_SETS, NS_METHODS
+
 TP_MODES = ("exact", "blockwise", "duplicated")
-BUFFER_LAYOUTS = ("owner", "megatron")
-NS_METHODS = ("standard", "gram", "auto")
+BUFFER_LAYOUTS = ("owner_aligned", "megatron")
 SCALE_MODES = ("moonlight", "spectral", "shape_scaling", "unit_rms_norm", "none")
-QKV_SPLITS = ("part", "group", "head")
-MLA_SPLITS = ("none", "part", "head")
+QKV_GRANULARITIES = ("part", "group", "head")
+MLA_GRANULARITIES = ("part", "head")
 SCALAR_OPTIMIZERS = ("adam",)
 ROUTER_OPTIMIZERS = ("adam", "muon")
 
@@ -112,20 +113,20 @@ class MuonConfig(OptimizerConfig):
     approximation). 'duplicated': every tensor-parallel rank orthogonalizes the whole
     matrix for itself (exact, TP-times the work)."""
 
-    muon_split_ns_max_ranks: int = 8
-    """Split Newton–Schulz: a matrix whose NS cost alone exceeds a rank's mean load is
-    orthogonalized by an aligned block of up to this many ranks (a power of two; keep it
-    within a node), its columns split and its Gram matrix all-reduced each step
-    (``megatron_muon.split_newton_schulz``). 1 turns splitting off."""
+    muon_ns_max_ranks: int = 8
+    """Multi-rank Newton–Schulz: a matrix whose NS cost alone exceeds a rank's mean load is
+    orthogonalized by an aligned block of up to this many ranks together (a power of two;
+    keep it within a node), its columns cut over them and its Gram matrix all-reduced each
+    step (``megatron_muon.multirank_newton_schulz``). 1: every matrix on one rank."""
 
-    muon_split_ns_intra_flops_per_byte: float = 0.5 * 989.4e12 / (0.8 * 450e9)
-    """Split Newton–Schulz's price of a byte its blocking collectives send inside a node,
-    in the NS FLOPs a rank does meanwhile: the plan splits a matrix only where the FLOPs
-    saved outweigh these bytes. Default: an H100 SXM (NS at half of 989 TFLOP/s, NVLink
-    450 GB/s per direction at 80 %). 0 prices split NS by its FLOPs alone."""
+    muon_ns_intra_node_flops_per_byte: float = 0.5 * 989.4e12 / (0.8 * 450e9)
+    """Multi-rank Newton–Schulz's price of a byte its blocking collectives send inside a
+    node, in the NS FLOPs a rank does meanwhile: the plan spreads a matrix over ranks only
+    where the FLOPs saved outweigh these bytes. Default: an H100 SXM (NS at half of 989
+    TFLOP/s, NVLink 450 GB/s per direction at 80 %). 0 prices it by its FLOPs alone."""
 
-    muon_split_ns_inter_flops_per_byte: float = 0.5 * 989.4e12 / (0.8 * 50e9)
-    """As ``muon_split_ns_intra_flops_per_byte``, for a split group across nodes (default:
+    muon_ns_inter_node_flops_per_byte: float = 0.5 * 989.4e12 / (0.8 * 50e9)
+    """As ``muon_ns_intra_node_flops_per_byte``, for ranks on different nodes (default:
     one 400 Gb/s NIC per GPU at 80 %)."""
 
     muon_comm_dtype: Optional[torch.dtype] = None
@@ -133,14 +134,14 @@ class MuonConfig(OptimizerConfig):
     compute dtype ``muon_ns_dtype``, so fp32 Newton–Schulz is fp32 end to end and bf16
     Newton–Schulz keeps the bf16 wire (half the bytes). Set it to use another wire dtype."""
 
-    muon_buffer_layout: str = "owner"
-    """DDP buffer layout the Muon step expects. 'owner': every Muon matrix sits whole in
-    the DP shard of the rank that orthogonalizes it (build DDP with
-    ``full_param_layout=megatron_muon.muon_param_layout(config, chunk, ddp_config)``), so
-    Muon moves only TP pieces inside the TP group and no optimizer bytes over DP. 'megatron':
-    Megatron's byte-level layout (matrices cut at shard bounds, pieces gathered over DP).
-    If 'owner' is asked but DDP was built without the layout, ``get_muon_optimizer`` logs a
-    warning and runs on Megatron's layout."""
+    muon_buffer_layout: str = "owner_aligned"
+    """DDP buffer layout the Muon step expects. 'owner_aligned': every Muon matrix sits whole
+    in the DP shard of the rank that orthogonalizes it (build DDP with
+    ``full_param_layout=megatron_muon.owner_aligned_param_layout(config, chunk, ddp_config)``),
+    so Muon moves only TP pieces inside the TP group and no optimizer bytes over DP.
+    'megatron': Megatron's byte-level layout (matrices cut at shard bounds, pieces gathered
+    over DP). If 'owner_aligned' is asked but DDP was built without the layout,
+    ``get_muon_optimizer`` logs a warning and runs on Megatron's layout."""
 
     muon_chunk_numel: int = 64 * 1024 * 1024
     """Approximate number of matrix elements per pipeline chunk (summed over ranks)."""
@@ -154,20 +155,23 @@ class MuonConfig(OptimizerConfig):
 
     # --- which parameters are Muon matrices -------------------------------------------------
     muon_split_qkv: bool = True
-    """Orthogonalize a fused ``linear_qkv`` as separate Q, K and V matrices."""
+    """Orthogonalize a fused ``linear_qkv`` as separate Q, K and V matrices (Megatron's name)."""
 
-    muon_qkv_split: str = "part"
-    """Granularity of the QKV split: 'part' (one Q, one K, one V matrix across all heads,
-    as Megatron-core and Moonlight do), 'group' (Q, K, V of each query group), 'head'
+    muon_qkv_granularity: str = "part"
+    """How finely ``muon_split_qkv`` cuts: 'part' (one Q, one K, one V matrix across all
+    heads, as Megatron-core and Moonlight do), 'group' (Q, K, V of each query group), 'head'
     (each query head and each K/V head on its own)."""
 
-    muon_split_mla: str = "part"
-    """Split of multi-latent-attention up-projections: 'none' (each weight whole), 'part'
-    (q nope / q rope of all heads; k nope / v of all heads), 'head' (each of those per
-    head)."""
+    muon_split_mla: bool = True
+    """Orthogonalize the multi-latent-attention up-projections as their parts: q nope / q
+    rope of ``linear_q_up_proj`` (or ``linear_q_proj``), k nope / v of ``linear_kv_up_proj``."""
+
+    muon_mla_granularity: str = "part"
+    """How finely ``muon_split_mla`` cuts: 'part' (each part across all heads) or 'head' (each
+    part of each head)."""
 
     muon_split_glu: bool = False
-    """Orthogonalize the gate and up halves of a gated ``linear_fc1`` separately."""
+    """Orthogonalize the gate and up halves of a gated ``linear_fc1`` as separate matrices."""
 
     muon_router_optimizer: str = "adam"
     """Optimizer of the MoE router weight: 'adam' (default) or 'muon'."""
@@ -225,13 +229,11 @@ def config_problems(cfg: MuonConfig):
         ("muon_tp_mode", cfg.muon_tp_mode, TP_MODES),
         ("muon_ns_method", cfg.muon_ns_method, NS_METHODS),
         ("muon_scale_mode", cfg.muon_scale_mode, SCALE_MODES),
-        ("muon_qkv_split", cfg.muon_qkv_split, QKV_SPLITS),
-        ("muon_split_mla", cfg.muon_split_mla, MLA_SPLITS),
+        ("muon_qkv_granularity", cfg.muon_qkv_granularity, QKV_GRANULARITIES),
+        ("muon_mla_granularity", cfg.muon_mla_granularity, MLA_GRANULARITIES),
         ("muon_scalar_optimizer", cfg.muon_scalar_optimizer, SCALAR_OPTIMIZERS),
         ("muon_router_optimizer", cfg.muon_router_optimizer, ROUTER_OPTIMIZERS),
     ]
-    from .newton_schulz import COEFFICIENT_SETS
-
     choices.append(("muon_coefficient_type", cfg.muon_coefficient_type, tuple(COEFFICIENT_SETS)))
     for name, value, allowed in choices:
         if value not in allowed:
@@ -261,13 +263,13 @@ def config_problems(cfg: MuonConfig):
             yield f"{name}={value!r} is invalid; use a finite number {'>' if name == 'loss_scale' else '>='} 0 (or None)."
     if not (isinstance(cfg.muon_momentum, (int, float)) and 0.0 <= cfg.muon_momentum < 1.0):
         yield f"muon_momentum={cfg.muon_momentum!r} is invalid; use a number in [0, 1)."
-    split = cfg.muon_split_ns_max_ranks
-    if isinstance(split, bool) or not isinstance(split, int) or split < 1 or split & (split - 1):
-        yield f"muon_split_ns_max_ranks={split!r} is invalid; use a power of two >= 1 (1 = no split)."
-    for name in ("muon_split_ns_intra_flops_per_byte", "muon_split_ns_inter_flops_per_byte"):
+    ranks = cfg.muon_ns_max_ranks
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1 or ranks & (ranks - 1):
+        yield f"muon_ns_max_ranks={ranks!r} is invalid; use a power of two >= 1 (1 = every matrix on one rank)."
+    for name in ("muon_ns_intra_node_flops_per_byte", "muon_ns_inter_node_flops_per_byte"):
         value = getattr(cfg, name)
         if _bad_number(value, 0.0, False):
-            yield f"{name}={value!r} is invalid; use a finite number >= 0 (0: split by FLOPs alone)."
+            yield f"{name}={value!r} is invalid; use a finite number >= 0 (0: by FLOPs alone)."
     vr = cfg.muon_variance_reduction
     if vr is not None and (isinstance(vr, bool) or not isinstance(vr, (int, float)) or not 0.0 <= vr < 1.0):
         yield f"muon_variance_reduction={vr!r} is invalid; use beta2 in [0, 1), or None (off)."

@@ -14,16 +14,15 @@ import logging
 from typing import Dict, List, Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from .buffer_layout import is_muon_param_layout
+from .buffer_layout import is_owner_aligned
 from .config import MuonConfig
 from .matrices import collect_muon_params
-from .chained_optimizer import MuonChainedOptimizer
-from .optimizer import MuonAdamW, MuonDistributedOptimizer
+from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
+from .process_groups import parallel_groups
 from .qk_clip import QKClip
 
 
@@ -79,20 +78,20 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
 logger = logging.getLogger(__name__)
 
 
-def _owner_layout(config: MuonConfig, model_chunks: List[torch.nn.Module]) -> bool:
-    """Whether the DDP buffers are owner-aligned (built with ``muon_param_layout``).
+def _owner_aligned(config: MuonConfig, model_chunks: List[torch.nn.Module]) -> bool:
+    """Whether the DDP buffers are owner-aligned (built with ``owner_aligned_param_layout``).
 
-    'owner' asked but DDP built without the layout: the step is still exact on Megatron's
-    byte-level layout, only with DP traffic, so warn (naming the fix) rather than fail."""
-    owner = is_muon_param_layout(model_chunks)
-    if config.muon_buffer_layout == "owner" and not owner:
+    'owner_aligned' asked but DDP built without the layout: the step is still exact on
+    Megatron's byte-level layout, only with DP traffic, so warn (naming the fix) rather than fail."""
+    aligned = is_owner_aligned(model_chunks)
+    if config.muon_buffer_layout == "owner_aligned" and not aligned:
         logger.warning(
-            "get_muon_optimizer: muon_buffer_layout='owner' but DDP was built without "
-            "megatron_muon.muon_param_layout(); running on Megatron's byte-level layout (Muon "
+            "get_muon_optimizer: muon_buffer_layout='owner_aligned' but DDP was built without "
+            "megatron_muon.owner_aligned_param_layout(); running on Megatron's byte-level layout (Muon "
             "pieces then travel over DP). Pass DistributedDataParallel(..., full_param_layout="
-            "muon_param_layout(config, chunk, ddp_config)) or set muon_buffer_layout='megatron'."
+            "owner_aligned_param_layout(config, chunk, ddp_config)) or set muon_buffer_layout='megatron'."
         )
-    return owner
+    return aligned
 
 
 def _grad_scaler(config: MuonConfig):
@@ -149,23 +148,17 @@ def get_muon_optimizer(
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
         pg_collection, model_chunks, use_gloo_process_groups
     )
-    if pg_collection is not None:
-        tp_group = pg_collection.tp
-        expt_tp_group = getattr(pg_collection, "expt_tp", tp_group)
-    else:
-        tp_group = parallel_state.get_tensor_model_parallel_group()
-        expt_tp_group = parallel_state.get_expert_tensor_parallel_group()
+    parallel = parallel_groups(pg_collection)
 
     def tp_size_of(param: torch.nn.Parameter) -> int:
-        return (expt_tp_group if not getattr(param, "allreduce", True) else tp_group).size()
+        return (parallel.expt_tp if not getattr(param, "allreduce", True) else parallel.tp).size()
 
-    owner_layout = _owner_layout(config, model_chunks)
+    owner_aligned = _owner_aligned(config, model_chunks)
     muon_params, _ = collect_muon_params(model_chunks, config, tp_size_of)
     muon_ids = {id(mp.param) for mp in muon_params}
     all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)
 
     optimizers = []
-    events: list = []
     for expert in (False, True):
         param_groups = [g for g in all_groups if g["is_expert_parallel"] == expert]
         buffer_name = "expert_parallel_buffers" if expert else "buffers"
@@ -175,11 +168,11 @@ def get_muon_optimizer(
         if expert:
             dp_group, dp_gloo = groups["intra_expt_dp_group"], groups["intra_expt_dp_group_gloo"]
             mp_rank = groups["expt_tp_pp_group"].rank()
-            ortho_tp = expt_tp_group
+            ortho_tp = parallel.expt_tp
         else:
             dp_group, dp_gloo = groups["intra_dp_cp_group"], groups["intra_dp_cp_group_gloo"]
             mp_rank = groups["mp_group"].rank()
-            ortho_tp = tp_group
+            ortho_tp = parallel.tp
         params = {id(p) for g in param_groups for p in g["params"]}
         opt = MuonDistributedOptimizer(
             MuonAdamW(param_groups, config),
@@ -193,13 +186,12 @@ def get_muon_optimizer(
             ortho_tp,
             [mp for mp in muon_params if id(mp.param) in params],
             name="expert" if expert else "dense",
-            events=events,
             qk_clip=None if expert else QKClip.from_model(model_chunks, groups["dp_cp_group"], groups["mp_group"]),
-            owner_layout=owner_layout,
+            owner_aligned=owner_aligned,
         )
         # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
         opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
-        opt.tp_group = tp_group
-        opt.expert_tp_group = expt_tp_group
+        opt.tp_group = parallel.tp
+        opt.expert_tp_group = parallel.expt_tp
         optimizers.append(opt)
-    return MuonChainedOptimizer(optimizers, events)
+    return MuonChainedOptimizer(optimizers)

@@ -9,8 +9,7 @@
 * With transformer-engine installed (``use_te=True``): Megatron's TE spec unchanged; TE's
   attention records max logits itself when ``config.qk_clip`` is set.
 
-``megatron_lm_layer_spec`` is the same choice for Megatron-LM's ``GPTModelConfig`` (what
-``tools/pretrain_gpt.py`` builds). ``gpt_block_spec`` wraps a layer spec into a block spec for the layers of one pipeline
+``gpt_block_spec`` wraps a layer spec into a block spec for the layers of one pipeline
 stage, with the same sequence-parallel-capable final norm.
 """
 
@@ -103,35 +102,3 @@ def gpt_block_spec(config, layer_spec, vp_stage: Optional[int] = None):
 
         norm = LayerNormImpl
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)
-
-
-def megatron_lm_layer_spec(config, vp_stage: Optional[int] = None):
-    """The layer (or block) spec for Megatron-LM's ``GPTModelConfig.transformer_layer_spec``.
-
-    With transformer-engine: Megatron-LM's own choice, unchanged (TE's attention records the
-    max logits QK-Clip needs). Local: Megatron-LM's choice with megatron_muon's modules
-    swapped in: the recording core attention (MLA head sizes, QK-Clip), TP-correct MLA and,
-    with sequence parallelism, norms that support it (a block spec, so the final norm too).
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.training.models.gpt import default_layer_spec
-
-    transformer = config.transformer
-    if transformer.transformer_impl != "local":
-        return default_layer_spec(config, vp_stage)
-    sequence_parallel = transformer.sequence_parallel
-    if sequence_parallel and transformer.num_moe_experts is None:
-        spec = get_gpt_decoder_block_spec(
-            transformer, use_transformer_engine=False, normalization=transformer.normalization, vp_stage=vp_stage
-        )
-    else:
-        spec = default_layer_spec(config, vp_stage)
-    layers = getattr(spec, "layer_specs", None) or [spec]
-    for layer in layers:
-        layer.submodules.self_attention.submodules.core_attention = RecordingDotProductAttention
-    use_tensor_parallel_mla(spec)
-    if sequence_parallel:
-        use_sequence_parallel_norms(spec)
-        for layer in layers:
-            use_sequence_parallel_norms(layer)
-    return spec

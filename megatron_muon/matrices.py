@@ -342,7 +342,7 @@ def _fused_qkv_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
         ctx,
         groups,
         qkv_parts(mc),
-        ctx.config.muon_qkv_split,
+        ctx.config.muon_qkv_granularity,
         {"q": heads_per_group, "q_gate": heads_per_group},
         describe=f"num_query_groups={groups}, num_attention_heads={heads}, kv_channels={mc.kv_channels}",
     )
@@ -357,7 +357,7 @@ def _mla_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
 
     if not isinstance(ctx.parent, MultiLatentAttention) or ctx.attr != "weight":
         return None
-    if ctx.config.muon_split_mla == "none":
+    if not ctx.config.muon_split_mla:
         return None
     mc = ctx.model_config
     if ctx.parent_attr in ("linear_q_proj", "linear_q_up_proj"):
@@ -366,7 +366,7 @@ def _mla_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
         parts = [("k_nope", mc.qk_head_dim), ("v", mc.v_head_dim)]
     else:
         return None
-    granularity = "group" if ctx.config.muon_split_mla == "head" else "part"
+    granularity = "group" if ctx.config.muon_mla_granularity == "head" else "part"
     return grouped_rows(ctx, mc.num_attention_heads, parts, granularity)
 
 
@@ -473,22 +473,31 @@ register_layout("mla", _mla_rule)
 # ---------------------------------------------------------------------------------------
 
 
+def is_muon_matrix(name: str, ndim: int, role: str, exclude: Sequence[str] = (), router: bool = False) -> bool:
+    """The one rule for which parameters Muon optimizes, by name, rank and role: tensors of
+    two or more dims, except embeddings and the output layer (``role='embedding'``), the
+    MoE router unless ``router`` (``role='router'``) and names matching an ``exclude``
+    ``fnmatch`` pattern. :func:`is_muon_param` reads the role off the module; the checkpoint
+    converter, which has no model, off the name."""
+    if any(fnmatch.fnmatch(name, pattern) for pattern in exclude):
+        return False
+    if ndim < 2 or role == "embedding":
+        return False
+    return router if role == "router" else True
+
+
 def is_muon_param(name: str, param: torch.nn.Parameter, module: torch.nn.Module, config: MuonConfig) -> bool:
-    """Default choice: 2-D weights of linear layers; embeddings, the output layer, norms,
-    biases and (unless configured) the MoE router go to the scalar optimizer."""
+    """Whether ``param`` is a Muon matrix (:func:`is_muon_matrix`; ``muon_param_filter``,
+    if set, decides instead)."""
     from megatron.core.transformer.moe.router import Router
 
     if config.muon_param_filter is not None:
         return bool(config.muon_param_filter(name, param))
-    if any(fnmatch.fnmatch(name, pattern) for pattern in config.muon_exclude_patterns):
-        return False
-    if param.dim() < 2 or getattr(param, "is_embedding_or_output_parameter", False):
-        return False
-    if isinstance(module, torch.nn.Embedding) or type(module).__name__.endswith("Embedding"):
-        return False
-    if isinstance(module, Router):
-        return config.muon_router_optimizer == "muon"
-    return True
+    embedding = (getattr(param, "is_embedding_or_output_parameter", False) or isinstance(module, torch.nn.Embedding)
+                 or type(module).__name__.endswith("Embedding"))
+    role = "embedding" if embedding else "router" if isinstance(module, Router) else "weight"
+    return is_muon_matrix(name, param.dim(), role, config.muon_exclude_patterns,
+                          config.muon_router_optimizer == "muon")
 
 
 def _module_index(model: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, str, Optional[torch.nn.Module], Optional[str]]]:

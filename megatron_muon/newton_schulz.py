@@ -1,67 +1,24 @@
 """Newton–Schulz orthogonalization: the matrix kernel of Muon.
 
 Muon replaces a momentum matrix ``G = U S V^T`` by (an approximation of) its polar factor
-``U V^T``: same singular vectors, every singular value set to one. Computing an SVD is far
-too slow, so we apply an odd polynomial to the singular values instead, using only matrix
-products:
+``U V^T``, using only matrix products:
 
-1. Scale ``G`` by its Frobenius norm, so every singular value lies in ``[0, 1]``.
-2. Repeat ``steps`` times: ``A = X X^T``, ``B = b*A + c*A A``, ``X = a*X + B X``. This is
-   ``X <- a X + b (X X^T) X + c (X X^T)^2 X``, which maps each singular value ``s`` of
-   ``X`` to ``p(s) = a s + b s^3 + c s^5`` and leaves the singular vectors alone.
+1. Scale ``G`` by its Frobenius norm (taken in fp32), so every singular value lies in ``[0, 1]``.
+2. Repeat ``steps`` times: ``A = X X^T``, ``B = b*A + c*A A``, ``X = a*X + B X``: each
+   singular value ``s`` becomes ``p(s) = a s + b s^3 + c s^5``, the singular vectors stay.
 
-The coefficients ``(a, b, c)`` decide how fast small singular values are pushed up towards
-one and how close to one they end up. They are data (:data:`COEFFICIENT_SETS`), possibly a
-different triple per step. Keller Jordan's ``quintic`` set deliberately overshoots: it
-makes small values grow fast and leaves the result in a band of roughly 0.7..1.1 rather
-than converging to one, which does not hurt training. Polar Express (Amsel et al. 2025)
-picks each step's polynomial optimally for the interval the values are known to lie in,
-so it gets closer to one in the same number of steps.
+The coefficients ``(a, b, c)`` are data (:data:`COEFFICIENT_SETS`), possibly one triple per
+step. A tall ``G`` is transposed so that ``X X^T`` is the smaller Gram matrix.
 
-When ``G`` is tall (``m > n``) we work on ``G^T`` so that ``X X^T`` is the smaller
-``min(m, n)``-square Gram matrix, and transpose back at the end.
-
-**Gram Newton–Schulz** (``method="gram"``; DeepSpeed PR 7939, Dao AI Lab's "Gram
-Newton-Schulz") computes the same polynomial with fewer FLOPs for wide matrices. Every
-iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in ``R_0 = X_0 X_0^T``, so it
-iterates on the small ``k x k`` matrices only (``k = min(m, n)``, ``l = max(m, n)``)::
-
-    P = a I + b R + c R^2;   Q <- P Q;   R <- P R P          (= Q R_0 Q^T)
-
-and touches the ``k x l`` matrix twice: ``R_0 = X_0 X_0^T`` and ``X = Q X_0`` at the end.
-Per step that is 2-4 square products (``2 k^3`` each) instead of ``4 k^2 l + 2 k^3``.
-
-Its numerics differ from the standard iteration in one way that matters: ``Q`` grows like
-the product of the ``a`` coefficients (3.4445^5 ~ 490 for five quintic steps) in the
-directions of small singular values, and 16-bit rounding of a large ``Q`` leaks into the
-large directions of ``X_0``. Two measures keep Gram NS as close to fp32 NS as bf16
-standard NS is (measured in ``tests/unit/test_newton_schulz.py``):
-
-* **restart** every :data:`GRAM_RESTART_STEPS` steps: ``X = Q X_0`` is materialised in
-  the compute dtype, ``R`` recomputed from it and ``Q`` reset to ``I`` (costs two
-  ``k x l`` products per restart). A restart from the ``k x k`` factors instead
-  (``Q_total <- Q Q_total``, ``R <- Q_total R_0 Q_total^T``, ``X = Q_total X_0`` once at
-  the end; 0.56x standard FLOPs at aspect 4 instead of 0.67x) was measured and not
-  taken: with ``R_0`` rounded to 16 bits it was up to 30x farther from fp32 NS (``R``
-  squares the singular values); with ``R_0`` in fp32 it was as close as this restart but
-  1.0-1.5x *slower* than standard NS on the CPU quick shapes (an fp32 GEMM runs 6x
-  slower than an fp16 one there, as on GPUs without an fp16-in/fp32-out GEMM); and it
-  keeps the rounding noise of ``R_0`` around zero, of either sign, which every step
-  multiplies by ``a^2``: ten deepseek_v4 steps on a rank-8 matrix went to inf/NaN, even
-  in fp32. ``R`` recomputed from the stored ``X`` is positive semidefinite again
-  (``test_gram_16bit_rank_deficient_many_steps``);
-* with a 16-bit compute dtype it computes in **fp16**, whatever the 16-bit type asked
-  for: every value it forms is bounded (``X`` normalised, entries of ``R`` <= 1, of ``Q``
-  <= ~41 thanks to the restart), so fp16's range suffices, and its 10-bit mantissa (bf16:
-  7) cuts every rounding eightfold at the same GEMM speed. The tiny entries of a
-  normalised huge matrix fall into fp16's subnormals, whose absolute step (6e-8) keeps
-  the matrix's total relative rounding below bf16's as long as ``m * n < ~1e9`` (the
-  largest DeepSeek-V3 matrix has 2.6e8 entries). Every GEMM accumulates in fp32 and the
-  norm is taken in fp32. With an fp32 compute dtype everything is fp32. In bf16 alone
-  the same algorithm measured about 2x the error of bf16 standard NS on gaussian input.
-
-``method="auto"`` picks Gram NS for matrices with aspect ratio ``max/min >=``
-:data:`GRAM_MIN_ASPECT` (where it measured faster) and the standard iteration otherwise.
+**Gram Newton–Schulz** (``method="gram"``) computes the same polynomial with fewer FLOPs
+for wide matrices: every iterate is ``X_k = Q_k X_0`` with ``Q_k`` a polynomial in
+``R_0 = X_0 X_0^T``, so it iterates on the small ``k x k`` matrices
+(``P = a I + b R + c R^2; Q <- P Q; R <- P R P``) and touches the ``k x l`` matrix only to
+form ``R`` and to apply ``Q``. It restarts every :data:`GRAM_RESTART_STEPS` steps (``X``
+materialised, ``R`` recomputed, ``Q`` reset) and, with a 16-bit compute dtype, computes in
+fp16 (its values are bounded; fp16 rounds eightfold finer than bf16). ``method="auto"``
+picks it for aspect ratios of at least :data:`GRAM_MIN_ASPECT`. docs/design.md
+("Newton–Schulz numerics") has the measurements behind these choices.
 """
 
 from __future__ import annotations

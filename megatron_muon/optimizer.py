@@ -1,53 +1,47 @@
-"""``MuonDistributedOptimizer``: Megatron's DistributedOptimizer, with Muon for the matrices.
+"""The Muon optimizer: Megatron's distributed optimizer with exact, distributed Muon for the
+matrices, dense and expert-parallel parameters chained as ``get_megatron_optimizer`` does.
 
 Megatron's ``DistributedOptimizer`` already does everything around the update that a
-Megatron user relies on: it shards fp32 master weights and optimizer state over the
-data-parallel ranks (each rank owns a contiguous range of every DDP bucket), copies the
-reduce-scattered gradients into those shards, unscales them and checks for inf/nan
-(fp16 loss scaling), computes the global grad norm and clips, counts zeros, and after
-the update copies master weights back and all-gathers the parameters. We keep all of
-that by subclassing it, and change the update itself (``step_with_ready_grads``, the
-level Megatron's own ``LayerWiseDistributedOptimizer`` overrides):
+Megatron user relies on: fp32 master weights and optimizer state sharded over the
+data-parallel ranks, the copy of the reduce-scattered gradients into the masters, loss
+scaling, the global grad norm and clipping, the master -> model copy and the parameter
+all-gather. :class:`MuonDistributedOptimizer` subclasses it (one for dense, one for
+expert-parallel parameters) and :class:`MuonChainedOptimizer` subclasses Megatron's
+``ChainedOptimizer``, keeping its ``step()``; the update itself is
+:meth:`MuonChainedOptimizer.step_with_ready_grads`:
 
-* Muon parameters update their momentum on the local shard, then the ``MuonPipeline``
-  gathers each logical matrix on its owner, orthogonalizes it once and scatters the
-  update back, and every rank applies weight decay and learning rate to its shard;
-* scalar parameters (embeddings, output layer, norms, biases, by default the router)
-  step with ``torch.optim.AdamW`` exactly as in Megatron's distributed optimizer;
-* QK-Clip rescales the query/key rows of the fp32 masters;
-* the inf/nan check runs in every precision, not only with a loss scaler (see
-  ``megatron_muon.non_finite``): a step with a non-finite gradient is skipped on every
-  rank, and too many in a row raise with the parameter's name.
+1. every Muon chunk of both optimizers through ``pipeline.drive`` (momentum, gather,
+   Newton–Schulz, scatter, decay and update; the expert chunks while the first dense
+   gathers travel);
+2. AdamW on the scalar parameters (embeddings, output layer, norms, biases, the router);
+3. QK-Clip on the fp32 masters;
+4. Megatron's master -> model copy and parameter all-gather.
 
-``get_muon_optimizer`` builds one such optimizer for dense and one for expert-parallel
-parameters and chains them (``chained_optimizer.py``), as ``get_megatron_optimizer`` does
-for Adam; :meth:`MuonChainedOptimizer.step_with_ready_grads` is the whole update of both,
-in the order the data flows.
+Before it, ``prepare_grads`` checks for inf/NaN in every precision (``non_finite.py``): a
+step with a non-finite gradient is skipped on every rank, and too many in a row raise.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from .config import MuonConfig, update_scale
-from .dp_ranges import dp_shard_ranges
 from .matrices import MuonParam, unwrap
-from .non_finite import local_non_finite_names, non_finite_flag
-from .pipeline import MuonPipeline, PipelineRun
-from .planner import Plan, build_plan, plan_statistics
-from .process_groups import build_ortho_group
+from .newton_schulz import resolve_coefficients
+from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
+from .pipeline import MuonStep, chunk_update, drive
+from .planner import Plan, plan_for_config, plan_statistics, rank_messages
+from .process_groups import build_ortho_group, subgroup
 from .qk_clip import QKClip
-from .split_newton_schulz import SplitCost
-from .offload import OffloadedMasters, OffloadedMomentum
-from .variants import SecondMoments, apply_update_
+from .shard_map import ShardMap
+from .state import OffloadedMasters, OwnerStates, ShardStates, muon_states
 
 logger = logging.getLogger(__name__)
 
@@ -55,11 +49,10 @@ logger = logging.getLogger(__name__)
 class MuonAdamW(torch.optim.AdamW):
     """The inner torch optimizer Megatron's DistributedOptimizer holds.
 
-    It holds every parameter group, so Megatron's learning-rate scheduler, ``state_dict``
-    and checkpoints see them all; a group flagged ``group['muon']`` keeps the Muon state of
-    its fp32 master shards (``momentum_buffer``, ``step``), which
-    :class:`MuonDistributedOptimizer` updates through its pipeline. ``step()`` is AdamW
-    over the other (scalar) groups only."""
+    It holds every parameter group, so Megatron's learning-rate scheduler and checkpoints
+    see them all; a group flagged ``group['muon']`` keeps the Muon state of its fp32
+    masters (``momentum_buffer``, ``step``), which the Muon step updates. ``step()`` is
+    AdamW over the other (scalar) groups only."""
 
     def __init__(self, param_groups: List[dict], config: MuonConfig) -> None:
         super().__init__(
@@ -99,41 +92,21 @@ def megatron_timer(config, name: str) -> Iterator[None]:
         timers(name).stop()
 
 
-@dataclass
-class MuonStepInFlight:
-    """A Muon step of one optimizer whose pipeline has launched its first gathers."""
-
-    run: PipelineRun
-    shards: List[Optional[torch.Tensor]]
-    """This rank's fp32 master shard of every Muon param (None where it holds nothing)."""
-    lr_wd: Dict[int, Tuple[float, float]]
-    """id(master shard) -> (learning rate, weight decay) of its group this step."""
-    cautious: bool
-
-    def apply(self, param_index: int, start: int, end: int, update: torch.Tensor) -> None:
-        """One arriving update piece onto its master shard range (lr, and cautious decay)."""
-        main = self.shards[param_index]
-        lr, wd = self.lr_wd[id(main)]
-        apply_update_(main[start:end], update, lr, wd, self.cautious)
-
-
 def init_state(opt: MuonAdamW, config=None) -> None:
-    """Allocate optimizer state (for loading checkpoints into a fresh optimizer)."""
+    """Allocate AdamW's state (Megatron calls this to load into a fresh optimizer)."""
     for group in opt.param_groups:
         for p in group["params"]:
             state = opt.state[p]
-            if len(state) == 0:
+            if len(state) == 0 and not group.get("muon", False):
                 state["step"] = torch.tensor(0.0)
-                if group.get("muon", False):
-                    state["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
-                else:
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
 
 
 class MuonDistributedOptimizer(DistributedOptimizer):
     """Megatron's distributed optimizer whose matrix parameters are updated by exact,
-    distributed Muon. Construct with :func:`get_muon_optimizer`."""
+    distributed Muon, for one kind of parameters (dense or expert-parallel). Construct with
+    :func:`~megatron_muon.get_muon_optimizer`."""
 
     def __init__(
         self,
@@ -148,143 +121,100 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         tp_group: dist.ProcessGroup,
         muon_params: Sequence[MuonParam],
         name: str = "dense",
-        events: Optional[List[Tuple[str, str, int]]] = None,
         qk_clip: Optional[QKClip] = None,
-        owner_layout: bool = False,
+        owner_aligned: bool = False,
     ) -> None:
         self.name = name
-        self.owner_layout = owner_layout
-        """DDP was built with ``muon_param_layout``: owners stay at the DP index holding each matrix."""
         self.qk_clip = qk_clip
-        self.events = events if events is not None else []
+        self.owner_aligned = owner_aligned
+        """DDP was built with ``owner_aligned_param_layout``: owners stay at the DP index holding each matrix."""
         super().__init__(
-            optimizer,
-            config,
-            grad_scaler,
-            init_state,
-            model_chunks,
-            per_model_buffers,
-            data_parallel_group,
-            data_parallel_group_gloo,
-            data_parallel_group_idx,
-            0,
+            optimizer, config, grad_scaler, init_state, model_chunks, per_model_buffers,
+            data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx, 0,
         )
         self.muon_params = list(muon_params)
         self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
-        self.plan, self.pipeline = self._build_pipeline(tp_group)
-        self._shards = self._muon_shards()
-        self.offload: Optional[OffloadedMomentum] = None
-        """The CPU pool of the Muon momentum (``muon_cpu_offload``)."""
-        self.offloaded_masters: Optional[OffloadedMasters] = None
-        """The CPU pool of the Muon matrices' fp32 masters (``muon_cpu_offload`` with
+        self.shard_map = ShardMap.from_distributed_optimizer(self)
+        """Who holds which range of every parameter, and this rank's fp32 masters."""
+        self.plan = self._plan(tp_group, owner_aligned)
+        self.masters_offload: Optional[OffloadedMasters] = None
+        """The fp32 masters of the Muon matrices in a CPU pool (``muon_cpu_offload`` with
         Megatron's ``optimizer_cpu_offload``)."""
-        if config.muon_cpu_offload:
-            self.offload = OffloadedMomentum(self.pipeline, self._shards, self.pipeline.device)
-            if config.optimizer_cpu_offload:
-                self.offloaded_masters = OffloadedMasters(self.float16_muon_masters(), self.pipeline.device)
-        self.second_moments: Optional[SecondMoments] = None
-        """Variance reduction's factored second moments of the matrices this rank owns."""
-        if config.muon_variance_reduction is not None:
-            storage = torch.device("cpu") if self.offload is not None else None
-            self.second_moments = SecondMoments(config.muon_variance_reduction, self.pipeline.device, storage)
-            self.pipeline.after_newton_schulz = self.second_moments
+        self.muon = self._muon_step()
 
     # ------------------------------------------------------------------ construction
-    def _build_pipeline(self, tp_group: dist.ProcessGroup) -> Tuple[Plan, MuonPipeline]:
-        cfg: MuonConfig = self.config
+    def _plan(self, tp_group: dist.ProcessGroup, owner_aligned: bool) -> Plan:
+        """The ownership plan, identical on every rank of the orthogonalization group."""
         dp_group = self.buffers[0].data_parallel_group if self.buffers else self.data_parallel_group
         group = build_ortho_group(tp_group, dp_group)
-        ranges: Dict[torch.nn.Parameter, List[Tuple[int, int]]] = {}
-        for buffer in self.buffers:
-            ranges.update(dp_shard_ranges(buffer))
-        dp_ranges = {}
-        for i, mp in enumerate(self.muon_params):
-            if mp.param not in ranges:
+        for mp in self.muon_params:
+            if mp.param not in self.shard_map:
                 raise ValueError(
-                    f"Muon parameter {mp.name} is not in any DDP buffer given to this optimizer; "
-                    "wrap every model chunk in megatron.core.distributed.DistributedDataParallel "
-                    "before building the optimizer."
+                    f"Muon parameter {mp.name} is not in any DDP buffer given to this optimizer; wrap every "
+                    "model chunk in megatron.core.distributed.DistributedDataParallel before building the optimizer."
                 )
-            dp_ranges[i] = ranges[mp.param]
-        plan = build_plan(
-            self.muon_params, dp_ranges, group, cfg.muon_tp_mode, cfg.muon_num_ns_steps, cfg.muon_chunk_numel,
-            holders_only=self.owner_layout,
-            ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
-            split_cost=self._split_cost(group),
-        )
-        self._check_plan_agrees(plan)
-        my_dp = group.coords[group.rank][1]
-        local_starts = [dp_ranges[i][my_dp][0] for i in range(len(self.muon_params))]
-        scales = [update_scale(cfg, *job.matrix.scale_shape) for job in plan.jobs]
+        dp_ranges = {i: self.shard_map[mp.param].dp_ranges for i, mp in enumerate(self.muon_params)}
+        plan = plan_for_config(self.config, self.muon_params, dp_ranges, group, owner_aligned)
+        if group.size > 1:
+            prints = [None] * group.size
+            dist.all_gather_object(prints, plan.fingerprint(), group=group.group)
+            if len(set(prints)) != 1:
+                raise RuntimeError(
+                    f"Ranks of the {self.name} orthogonalization group derived different Muon plans: the model "
+                    "chunks differ in structure between tensor/data-parallel ranks. Build the same model on every rank."
+                )
+        return plan
+
+    def _muon_step(self) -> MuonStep:
+        """Everything the Muon step reads: this rank's messages of the plan, masters, state."""
+        cfg: MuonConfig = self.config
+        shards = [self.shard_map[mp.param] for mp in self.muon_params]
+        masters = [s.master for s in shards]
         device = self.muon_params[0].param.device if self.muon_params else None
-        pipeline = MuonPipeline(
-            plan,
-            local_starts,
-            scales,
-            cfg.muon_num_ns_steps,
-            cfg.muon_coefficient_type,
-            cfg.muon_ns_dtype,
-            cfg.comm_dtype,
-            cfg.muon_max_inflight_chunks,
-            device,
-            name=self.name,
-            events=self.events,
+        messages = rank_messages(self.plan, [s.start for s in shards],
+                                 [m.numel() if m is not None else None for m in masters])
+        if cfg.optimizer_cpu_offload:
+            self.masters_offload = OffloadedMasters(self.float16_muon_masters(), device)
+        me = self.plan.group.rank
+        return MuonStep(
+            group=self.plan.group,
+            messages=messages,
+            masters=masters,
+            shard_states=ShardStates([s.name for s in muon_states(cfg, "shard")], masters, self.optimizer.state,
+                                     messages, cfg.muon_cpu_offload, device),
+            owner_states=OwnerStates(muon_states(cfg, "owner"),
+                                     torch.device("cpu") if cfg.muon_cpu_offload else device),
+            scales=[update_scale(cfg, *job.matrix.scale_shape) for job in self.plan.jobs],
+            momentum=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            ns_steps=cfg.muon_num_ns_steps,
+            coefficients=cfg.muon_coefficient_type,
+            ns_dtype=cfg.muon_ns_dtype,
             ns_method=cfg.muon_ns_method,
             compiled=cfg.muon_use_torch_compile,
+            schedule=resolve_coefficients(cfg.muon_coefficient_type).schedule(cfg.muon_num_ns_steps),
+            comm_dtype=cfg.comm_dtype,
+            variance_reduction=cfg.muon_variance_reduction,
+            cautious=cfg.muon_cautious_weight_decay,
+            device=device,
+            subgroups={tuple(sorted(j.ns_ranks)): subgroup(self.plan.group, j.ns_ranks)
+                       for j in self.plan.jobs if me in j.ns_ranks},
         )
-        return plan, pipeline
-
-    def _split_cost(self, group) -> SplitCost:
-        """The price of split Newton–Schulz's bytes (the config's FLOPs per byte), with each
-        group rank's node from its global rank and the GPUs per node (``LOCAL_WORLD_SIZE``,
-        as torchrun sets it, else the visible GPUs, else 1)."""
-        cfg: MuonConfig = self.config
-        ranks = dist.get_process_group_ranks(group.group) if group.group is not None else list(range(group.size))
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or torch.cuda.device_count() or 1
-        return SplitCost(cfg.muon_split_ns_intra_flops_per_byte, cfg.muon_split_ns_inter_flops_per_byte,
-                         lambda r: ranks[r] // per_node)
-
-    def _check_plan_agrees(self, plan: Plan) -> None:
-        """Every rank of the group must have derived the same plan (same model structure)."""
-        g = plan.group
-        if g.size == 1:
-            return
-        prints = [None] * g.size
-        dist.all_gather_object(prints, plan.fingerprint(), group=g.group)
-        if len(set(prints)) != 1:
-            raise RuntimeError(
-                f"Ranks of the {self.name} orthogonalization group derived different Muon plans: the "
-                "model chunks differ in structure between tensor/data-parallel ranks. Build the same "
-                "model on every rank."
-            )
-
-    def _muon_shards(self) -> List[Optional[torch.Tensor]]:
-        """This rank's fp32 main shard of every Muon param (None where it holds nothing)."""
-        self._main_of_model = {}
-        for models, mains in zip(self.model_float16_groups, self.shard_fp32_from_float16_groups):
-            self._main_of_model.update({id(m): s for m, s in zip(models, mains)})
-        for models, mains in zip(self.model_fp32_groups, self.shard_fp32_groups):
-            self._main_of_model.update({id(m): s for m, s in zip(models, mains)})
-        return [self._main_of_model.get(id(mp.param)) for mp in self.muon_params]
 
     def float16_muon_masters(self) -> List[torch.Tensor]:
-        """This rank's fp32 master shards of the bf16/fp16 Muon params (an fp32 param's
-        master is a view of the param itself, so it has none of its own)."""
+        """This rank's fp32 masters of the bf16/fp16 Muon params (an fp32 param's master is
+        a view of the param itself, so it has none of its own)."""
         float16 = {id(m) for group in self.shard_fp32_from_float16_groups for m in group}
-        return [m for m in self._shards if m is not None and id(m) in float16]
+        masters = (self.shard_map.master(mp.param) for mp in self.muon_params)
+        return [m for m in masters if m is not None and id(m) in float16]
 
-    def shard_of(self, param: torch.nn.Parameter) -> Optional[Tuple[torch.Tensor, int, int]]:
-        """This rank's fp32 master shard of any model param, with its flat range."""
-        main = self._main_of_model.get(id(param))
-        if main is None:
-            return None
-        rng = self._get_model_param_range_map(param)["param"]
-        return main, rng.start, rng.end
+    def plan_statistics(self) -> Dict[str, object]:
+        return plan_statistics(self.plan)
 
     # ------------------------------------------------------------------ non-finite gradients
     @torch.no_grad()
     def unscale_and_check_grads(self) -> torch.Tensor:
-        """Copy the model grads into this rank's main-grad shards, unscale them (loss scaler)
+        """Copy the model grads into this rank's master grads, unscale them (loss scaler)
         and return the non-finite flag, all-reduced over the grad-statistics group.
 
         Megatron's ``prepare_grads`` does this only with a loss scaler; we do it always
@@ -301,8 +231,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def _copy_model_grads_to_main_grads(self) -> None:
         """Megatron's copy of the reduce-scattered grads into the masters' ``.grad``; the
         CPU-offloaded masters take them through their device placeholder."""
-        masters = self.offloaded_masters
-        with masters.grads_assignable() if masters is not None else contextlib.nullcontext():
+        offload = self.masters_offload
+        with offload.grads_assignable() if offload is not None else contextlib.nullcontext():
             super()._copy_model_grads_to_main_grads()
 
     @torch.no_grad()
@@ -314,17 +244,15 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         return found
 
     def non_finite_grad_names(self) -> List[str]:
-        """Names of the model params whose main-grad shard on this rank is non-finite."""
+        """Names of the model params whose master grad on this rank is non-finite."""
         names = {}
         for i, chunk in enumerate(self.model_chunks):
             prefix = f"chunk{i}." if len(self.model_chunks) > 1 else ""
             names.update({id(p): prefix + n for n, p in unwrap(chunk).named_parameters()})
-        pairs = []
-        for models, mains in list(zip(self.model_float16_groups, self.shard_fp32_from_float16_groups)) + list(
-            zip(self.model_fp32_groups, self.shard_fp32_groups)
-        ):
-            pairs += [(names.get(id(m), "<unnamed>"), s.grad) for m, s in zip(models, mains)]
-        return local_non_finite_names(pairs)
+        return local_non_finite_names(
+            (names.get(id(shard.param), "<unnamed>"), shard.master.grad)
+            for shard in self.shard_map if shard.master is not None
+        )
 
     def loss_scaler_can_back_off(self) -> bool:
         """True while a dynamic loss scaler can still lower its scale (fp16): its skips are
@@ -332,185 +260,60 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         scaler = self.grad_scaler
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
 
+    # ------------------------------------------------------------------ the update
+    def muon_chunks(self) -> List[Iterator[None]]:
+        """This step's Muon chunks, each a generator for ``pipeline.drive`` (the state of
+        the step is started here; :meth:`end_muon_step` ends it)."""
+        lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
+        per_param = [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
+        self.muon.shard_states.begin()
+        kept: dict = {}
+        return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
+
+    def end_muon_step(self) -> None:
+        self.muon.shard_states.finish()
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """This optimizer's update when it steps alone (Megatron's ``step()`` calls this
+        after preparing and clipping the gradients): the chain's :func:`update`."""
+        if self.qk_clip is not None:
+            raise NotImplementedError(
+                "With QK-Clip, step the MuonChainedOptimizer that get_muon_optimizer returned: its step() "
+                "resets the max-logit recorders after every step, taken or skipped."
+            )
+        update([self], overlap_expert=False)
+        return True
+
+    def start_param_sync(self) -> None:
+        """Megatron's parameter all-gather after the update: synchronous here, unless DDP
+        overlaps it with the next forward (``overlap_param_gather``)."""
+        if self.ddp_config.overlap_param_gather:
+            return
+        with megatron_timer(self.config, "params-all-gather"):
+            self.start_param_sync_for_bucket_group_subset()
+
     def start_param_sync_for_bucket_group_subset(self) -> None:
-        """All-gather the parameters of the bucket groups this optimizer updates: those
-        built from its own buffers (dense or expert-parallel).
+        """All-gather the parameters of the bucket groups built from this optimizer's own
+        buffers (dense or expert-parallel).
 
         Megatron's version walks every bucket group of every model chunk, skipping only
-        those tagged ``is_managed_by_layer_wise_optimizer`` (its LayerWise optimizer's); ours
-        tags its owner-aligned Muon buffers the same way and updates them itself, so the tag
-        says nothing here. Walking every group would all-gather each one once per chained
-        optimizer: twice per step with experts."""
+        those tagged ``is_managed_by_layer_wise_optimizer``; ours tags its owner-aligned
+        buffers the same way and updates them itself, so the tag says nothing here. Walking
+        every group would all-gather each one once per chained optimizer: twice per step
+        with experts."""
         mine = {id(bucket) for buffer in self.buffers for bucket in buffer.buckets}
         for model_chunk in self.model_chunks:
             for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
                 if any(id(bucket) in mine for bucket in bucket_group.buckets):
                     model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
-    # ------------------------------------------------------------------ the update, in parts
-    @torch.no_grad()
-    def step_with_ready_grads(self) -> bool:
-        """This optimizer's whole update, when it steps alone (Megatron's ``step()`` calls
-        this after preparing and clipping the gradients). Under
-        :class:`MuonChainedOptimizer` the chain runs the same parts itself, interleaving the
-        dense and expert optimizers."""
-        with megatron_timer(self.config, "optimizer-inner-step"):
-            self.muon_step()
-            self.adamw_step()
-            self.apply_qk_clip()
-        with megatron_timer(self.config, "optimizer-copy-main-to-model-params"):
-            self._copy_main_params_to_model_params()
-        self.start_param_sync()
-        return True
-
-    @torch.no_grad()
-    def launch_muon_step(self) -> MuonStepInFlight:
-        """Start the Muon update of this rank's master shards: momentum (and Nesterov),
-        decoupled weight decay, then the pipeline's first chunks' gathers, which are in
-        flight when this returns (all-to-all over the orthogonalization group)."""
-        cfg: MuonConfig = self.config
-        lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
-        inputs = self._momentum_inputs(cfg.muon_momentum, cfg.muon_nesterov)
-        cautious = cfg.muon_cautious_weight_decay
-        if not cautious:  # cautious decay needs the update: MuonStepInFlight.apply
-            for main in self._shards:
-                if main is not None and main.grad is not None:
-                    lr, wd = lr_wd[id(main)]
-                    if wd != 0.0:
-                        main.mul_(1.0 - lr * wd)
-        run = self.pipeline.launch_first_gathers(inputs)
-        return MuonStepInFlight(run, self._shards, lr_wd, cautious)
-
-    @torch.no_grad()
-    def complete_muon_step(self, step: MuonStepInFlight) -> None:
-        """The rest of the pipeline: every chunk's Newton–Schulz on its owners and the
-        scatter back; each update piece lands on its master shard range as it arrives."""
-        try:
-            self.pipeline.run_chunks(step.run, step.apply)
-        finally:
-            if self.offload is not None:
-                self.offload.finish()
-
-    def muon_step(self) -> None:
-        """The whole Muon update of this optimizer's matrices."""
-        self.complete_muon_step(self.launch_muon_step())
-
-    def _momentum_inputs(self, mu: float, nesterov: bool):
-        """Advance every held shard's step count and momentum; return the pipeline's inputs
-        (per Muon param, this rank's Nesterov momentum shard or None), or, with
-        ``muon_cpu_offload``, the offload's per-chunk producer (it updates the momentum of
-        each chunk's ranges as the chunk is launched)."""
-        if self.offload is not None:
-            self.offload.adopt(self.optimizer.state, self._shards)
-        mains, grads, bufs, steps = [], [], [], []
-        for main in self._shards:
-            if main is None or main.grad is None:
-                continue
-            state = self.optimizer.state[main]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(main, dtype=torch.float32)
-                state["step"] = torch.tensor(0.0)
-            mains.append(main)
-            grads.append(main.grad)
-            bufs.append(state["momentum_buffer"])
-            steps.append(state["step"])
-        if steps:
-            torch._foreach_add_(steps, 1.0)
-        if self.offload is not None:
-            return self.offload.begin([m.grad if m is not None else None for m in self._shards], mu, nesterov)
-        if bufs:
-            torch._foreach_mul_(bufs, mu)
-            torch._foreach_add_(bufs, grads)
-            updated = torch._foreach_add(grads, bufs, alpha=mu) if nesterov else bufs
-        else:
-            updated = []
-        by_main = {id(m): x for m, x in zip(mains, updated)}
-        return [by_main.get(id(m)) if m is not None else None for m in self._shards]
-
-    @torch.no_grad()
-    def adamw_step(self) -> None:
-        """AdamW on this rank's shards of the scalar parameters (the inner optimizer)."""
-        self.optimizer.step()
-
-    @torch.no_grad()
-    def apply_qk_clip(self) -> None:
-        """QK-Clip on the updated fp32 masters (dense optimizer only; all-reduces the
-        per-head max logits over DP x CP and the peak over the model-parallel group)."""
-        if self.qk_clip is not None:
-            self.qk_clip.apply(self.shard_of)
-
-    def start_param_sync(self) -> None:
-        """Megatron's parameter all-gather after the update (``DistributedOptimizer.
-        step_with_ready_grads``): synchronous here, unless DDP overlaps it with the next
-        forward (``overlap_param_gather``)."""
-        if self.ddp_config.overlap_param_gather:
-            return
-        with megatron_timer(self.config, "params-all-gather"):
-            self.start_param_sync_for_bucket_group_subset()
-
-    # ------------------------------------------------------------------ introspection
-    @property
-    def trace(self) -> List[Tuple[str, str, int]]:
-        """Stage events of the last step, in order: (pipeline, stage, chunk index)."""
-        return list(self.events)
-
-    @property
-    def traffic(self) -> Dict[str, int]:
-        """Bytes this rank sent in the Muon all-to-alls since the last ``reset_traffic``."""
-        return dict(self.pipeline.traffic)
-
-    def reset_traffic(self) -> None:
-        self.pipeline.traffic.clear()
-
-    def plan_statistics(self) -> Dict[str, object]:
-        return plan_statistics(self.plan)
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self):
-        """Everything this rank needs to resume at the same parallel layout: the inner
-        optimizer state (momentum, AdamW moments, steps) of its shards, its fp32 master
-        shards, the grad scaler, and a fingerprint of the plan to refuse other layouts."""
-        state = {
-            "inner": self.optimizer.state_dict(),
-            "master": [[t.detach().clone() for t in group] for group in self.shard_fp32_from_float16_groups],
-            "plan": self.plan.fingerprint(),
-            "kind": "megatron_muon.MuonDistributedOptimizer",
-        }
-        if self.second_moments is not None:
-            state["second_moments"] = {k: v.clone() for k, v in self.second_moments.state.items()}
-        if self.grad_scaler:
-            state["grad_scaler"] = self.grad_scaler.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict):
-        if state_dict.get("kind") != "megatron_muon.MuonDistributedOptimizer":
-            raise ValueError(
-                "This optimizer state was not written by megatron_muon's MuonDistributedOptimizer "
-                "(for a Megatron AdamW checkpoint, convert it with tools/convert_checkpoint.py adam-to-muon)."
-            )
-        if state_dict["plan"] != self.plan.fingerprint():
-            raise ValueError(
-                "The optimizer state was saved with a different parallel layout or model; "
-                "state_dict()/load_state_dict() resume only at the same layout. Use the "
-                "distributed checkpoint (sharded_state_dict) to change layouts."
-            )
-        self.optimizer.load_state_dict(state_dict["inner"])
-        for group, saved in zip(self.shard_fp32_from_float16_groups, state_dict["master"]):
-            for tensor, value in zip(group, saved):
-                tensor.copy_(value)
-        if self.grad_scaler and "grad_scaler" in state_dict:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        self._shards = self._muon_shards()
-        if self.second_moments is not None:
-            saved = state_dict.get("second_moments", {})
-            self.second_moments.state = {k: v.to(self.second_moments.storage) for k, v in saved.items()}
-        self.state_loaded()
-
-    def state_loaded(self) -> None:
-        """After any load: move the loaded momentum into the CPU pool (``muon_cpu_offload``),
-        so that no Muon optimizer state stays on the device between steps."""
-        if self.offload is not None:
-            self.offload.adopt(self.optimizer.state, self._shards)
+        raise NotImplementedError(
+            "megatron_muon saves optimizer state only as a distributed checkpoint: call "
+            "sharded_state_dict() on the MuonChainedOptimizer (or megatron_muon.checkpoint.save_checkpoint)."
+        )
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         raise NotImplementedError(
@@ -519,7 +322,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         )
 
     def common_state(self) -> Dict[str, object]:
-        """Non-tensor state for checkpoints: grad scaler and the parameter groups'
+        """Non-tensor state for checkpoints: the grad scaler and the parameter groups'
         settings (what Megatron's AdamW needs if the checkpoint is converted back)."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         return {"grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler else None, "param_groups": groups}
@@ -527,3 +330,145 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def load_common_state(self, common: Dict[str, object]) -> None:
         if self.grad_scaler and common.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(common["grad_scaler"])
+
+
+def update(optimizers: Sequence[MuonDistributedOptimizer], overlap_expert: bool) -> None:
+    """The update of chained Muon optimizers (dense first), in the order the data flows:
+    every Muon chunk (the expert chunks while the first dense gathers travel, with
+    ``overlap_expert``), AdamW, QK-Clip, the master -> model copy, the parameter all-gather."""
+    config = optimizers[0].config
+    with megatron_timer(config, "optimizer-inner-step"):
+        chunks = [opt.muon_chunks() for opt in optimizers]
+        if overlap_expert and len(chunks) > 1:
+            drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
+        else:
+            for chunk_list in chunks:
+                drive(chunk_list, config.muon_max_inflight_chunks)
+        for opt in optimizers:
+            opt.end_muon_step()
+            opt.optimizer.step()  # AdamW on the scalar parameters
+        for opt in optimizers:
+            if opt.qk_clip is not None:
+                opt.qk_clip.apply(opt.shard_map)
+    with megatron_timer(config, "optimizer-copy-main-to-model-params"):
+        for opt in optimizers:
+            opt._copy_main_params_to_model_params()
+    for opt in optimizers:
+        opt.start_param_sync()
+
+
+class MuonChainedOptimizer(ChainedOptimizer):
+    """Megatron's ChainedOptimizer over our dense and expert optimizers.
+
+    ``step()`` is Megatron's: :meth:`prepare_grads` (ours), the grad norm over both
+    optimizers, clipping and zero counting, then :meth:`step_with_ready_grads`."""
+
+    def __init__(self, chained_optimizers) -> None:
+        super().__init__(chained_optimizers)
+        self.num_steps = 0
+        """Successful optimizer steps taken (saved in checkpoints)."""
+        self.skips = SkipCounter(self.config.muon_max_consecutive_skipped_steps)
+        """Steps skipped for non-finite gradients (``skips.skipped_steps``, ``skips.consecutive``)."""
+
+    @property
+    def muon_optimizers(self) -> List[MuonDistributedOptimizer]:
+        return [o for o in self.chained_optimizers if isinstance(o, MuonDistributedOptimizer)]
+
+    @property
+    def dense(self) -> MuonDistributedOptimizer:
+        return next(o for o in self.muon_optimizers if o.name == "dense")
+
+    @property
+    def expert(self) -> Optional[MuonDistributedOptimizer]:
+        return next((o for o in self.muon_optimizers if o.name == "expert"), None)
+
+    @property
+    def qk_clip(self) -> Optional[QKClip]:
+        return next((o.qk_clip for o in self.muon_optimizers if o.qk_clip is not None), None)
+
+    @property
+    def max_attention_logit(self) -> Optional[float]:
+        """The largest attention logit of the last step (QK-Clip / logging), or None."""
+        clip = self.qk_clip
+        return clip.max_attention_logit if clip is not None else None
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Check every chained optimizer, then update every loss scaler with the combined
+        flag, so the dense and expert optimizers skip together and their scales stay equal
+        (Megatron's chain would update each scaler with its own optimizer's flag)."""
+        flags = [opt.unscale_and_check_grads() for opt in self.muon_optimizers]
+        found = bool(torch.cat(flags).max().item() > 0)
+        for opt in self.muon_optimizers:
+            if opt.grad_scaler:
+                opt.grad_scaler.update(found)
+        return found
+
+    @torch.no_grad()
+    def step(self):
+        """Megatron's chained step (``ChainedOptimizer.step``): :meth:`prepare_grads` (copy
+        the grads into the fp32 masters, unscale, check for inf/NaN in every precision and
+        update the loss scalers; a non-finite step returns ``(False, None, None)`` on every
+        rank with all state untouched), Megatron's grad norm, clipping,
+        ``grad_norm_skip_threshold`` and zero counting, then :meth:`step_with_ready_grads`.
+
+        Then the skip bookkeeping: the ``muon_max_consecutive_skipped_steps``-th
+        non-finite step in a row raises :class:`~megatron_muon.non_finite.NonFiniteGradientError`
+        on every rank."""
+        try:
+            result = super().step()
+        finally:
+            # A skipped step (inf/nan) starts the next one with fresh max-logit recorders too.
+            if self.qk_clip is not None:
+                self.qk_clip.reset()
+        if result[0]:
+            self.num_steps += 1
+        skipped = not result[0] and result[1] is None  # (False, norm, ..) is Megatron's grad-norm skip
+        counts = skipped and not any(opt.loss_scaler_can_back_off() for opt in self.muon_optimizers)
+        if self.skips.record(skipped, counts):
+            raise self._non_finite_error()
+        return result
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """The update of both optimizers (:func:`update`); then, as Megatron's chain does
+        with ``overlap_param_gather_with_optimizer_step``, the first model chunk's
+        all-gather is dispatched to overlap the rest of the iteration."""
+        update(self.muon_optimizers, overlap_expert=self.config.muon_overlap_expert_ns)
+        if self.config.overlap_param_gather_with_optimizer_step:
+            self.dense.model_chunks[0].start_param_sync(force_dispatch=True)
+        return True
+
+    def _non_finite_error(self) -> NonFiniteGradientError:
+        """Collective over the grad-statistics group: every rank gets the same message."""
+        names = [n for opt in self.muon_optimizers for n in opt.non_finite_grad_names()]
+        culprit = agreed_culprit(names, self.muon_optimizers[0].get_grad_stats_parallel_group())
+        return NonFiniteGradientError(
+            f"{self.skips.consecutive} consecutive optimizer steps skipped for non-finite gradients "
+            f"(inf/NaN), e.g. in parameter {culprit}; parameters and optimizer state are from the "
+            "last good step. Lower the learning rate or check the data, or raise "
+            "MuonConfig.muon_max_consecutive_skipped_steps (--muon-max-consecutive-skipped-steps; 0 = never raise)."
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Megatron dist-checkpointing state: every state tensor in model coordinates (see
+        ``megatron_muon.checkpoint``), reshardable across TP/PP/EP/DP and expert layouts."""
+        from .checkpoint import optimizer_sharded_state
+
+        return optimizer_sharded_state(self, model_sharded_state_dict, is_loading)
+
+    def state_dict(self):
+        raise NotImplementedError(
+            "megatron_muon saves optimizer state only as a distributed checkpoint (torch_dist): use "
+            "sharded_state_dict() (Megatron-LM: --ckpt-format torch_dist) or megatron_muon.checkpoint.save_checkpoint."
+        )
+
+    def load_state_dict(self, state_dict):
+        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        from .checkpoint import load_optimizer_state
+
+        load_optimizer_state(self, state_dict)
+
+    def plan_statistics(self) -> List[Dict[str, object]]:
+        return [o.plan_statistics() for o in self.muon_optimizers]

@@ -15,6 +15,9 @@ one matrix's cost of every other rank's. Jobs are cut into chunks of
 about ``muon_chunk_numel`` elements so that the pipeline can overlap one chunk's
 communication with another's compute. Everything here is computed once, from the local
 model structure (which is identical on every rank of a group), and cached.
+
+:func:`rank_messages` turns the plan into what one rank sends and receives in each chunk
+(:class:`ChunkMessages`), also once: the step only packs and unpacks by these lists.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
-
-from .matrices import Block, LogicalMatrix, MuonParam
+from .matrices import LogicalMatrix, MuonParam
+from .multirank_newton_schulz import MultirankCost, place_multirank_jobs
 from .newton_schulz import newton_schulz_flops
-from .split_newton_schulz import SplitCost, place_split_jobs
+from .process_groups import OrthoGroup
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,9 @@ class Job:
     flops: int
     owner: int = -1
     """Rank in the orthogonalization group."""
-    split: Tuple[int, ...] = ()
-    """Group ranks that orthogonalize this matrix together, owner first (split
-    Newton–Schulz, ``megatron_muon.split_newton_schulz``); empty: the owner alone."""
+    ns_ranks: Tuple[int, ...] = ()
+    """Group ranks that orthogonalize this matrix together, owner first (multi-rank
+    Newton–Schulz, ``megatron_muon.multirank_newton_schulz``); empty: the owner alone."""
 
     @property
     def numel(self) -> int:
@@ -89,25 +91,6 @@ class Chunk:
 
 
 @dataclass
-class OrthoGroup:
-    """A process group with each member's (tp, dp) coordinate."""
-
-    group: Optional[torch.distributed.ProcessGroup]
-    rank: int
-    size: int
-    coords: List[Tuple[int, int]]
-    """coords[group_rank] = (tp_rank, dp_rank)."""
-    tp_size: int
-    dp_size: int
-
-    def rank_of(self, tp: int, dp: int) -> int:
-        return self._rank_of[(tp, dp)]
-
-    def __post_init__(self) -> None:
-        self._rank_of = {c: r for r, c in enumerate(self.coords)}
-
-
-@dataclass
 class Plan:
     """The complete, rank-independent ownership plan of one orthogonalization group."""
 
@@ -118,13 +101,14 @@ class Plan:
     loads: List[int] = field(default_factory=list)
 
     def jobs_owned_by(self, rank: int) -> List[Job]:
+        """The jobs ``rank`` orthogonalizes (leads, for a multi-rank job)."""
         return [j for j in self.jobs if j.owner == rank]
 
     def fingerprint(self) -> str:
         """A hash of everything that must agree across the ranks of the group."""
         h = hashlib.sha256()
         for job in self.jobs:
-            h.update(f"{job.matrix.name}|{job.matrix.shape}|{job.owner}|{job.split}|".encode())
+            h.update(f"{job.matrix.name}|{job.matrix.shape}|{job.owner}|{job.ns_ranks}|".encode())
             for s in job.sources + job.dests:
                 h.update(f"{s.tp},{s.dp},{s.start},{s.end},{s.piece_offset};".encode())
         return h.hexdigest()
@@ -201,13 +185,13 @@ def assign_owners(
     jobs: List[Job],
     group: OrthoGroup,
     chunk_numel: int,
-    holders_only: bool = False,
+    owner_aligned: bool = False,
     loads: Optional[List[int]] = None,
 ) -> Tuple[List[Chunk], List[int]]:
     """Cut jobs into chunks and give every job an owner (balanced by NS cost, local where free).
-    Jobs that already have an owner (split jobs) keep it; ``loads`` is their load per rank.
+    Jobs that already have an owner (multi-rank jobs) keep it; ``loads`` is their load per rank.
 
-    ``holders_only`` (owner-aligned buffers): a job may only go to a rank at a DP index that
+    ``owner_aligned`` (owner-aligned buffers): a job may only go to a rank at a DP index that
     holds some of its matrix, so no piece crosses DP unless the matrix itself straddles DP
     shards; balance across DP indices is then the buffer layout's job."""
     chunks: List[Chunk] = []
@@ -228,7 +212,7 @@ def assign_owners(
         tp, dp = group.coords[r]
         if job.owner_tp is not None and tp != job.owner_tp:
             return False
-        return not holders_only or any(seg.dp == dp for seg in job.sources + job.dests)
+        return not owner_aligned or any(seg.dp == dp for seg in job.sources + job.dests)
 
     allowed = {job.index: [r for r in range(group.size) if may_own(job, r)] for job in jobs}
     order = [
@@ -260,33 +244,46 @@ def build_plan(
     tp_mode: str,
     ns_steps: int,
     chunk_numel: int,
-    holders_only: bool = False,
+    owner_aligned: bool = False,
     ns_method: str = "standard",
-    split_max_ranks: int = 1,
-    split_cost: Optional[SplitCost] = None,
+    ns_max_ranks: int = 1,
+    cost: Optional[MultirankCost] = None,
 ) -> Plan:
     """The ownership plan for ``params`` (identical on every rank of ``group``).
 
-    Matrices that alone exceed a rank's mean load may be split over up to
-    ``split_max_ranks`` ranks (``split_newton_schulz.place_split_jobs``) before the rest
-    are assigned. Split NS trades FLOPs for blocking all-reduces, so the plan is built three
-    ways (no split; splits chosen by FLOPs alone; splits priced by ``split_cost``, the
-    all-reduce bytes at their link class) and the one whose busiest rank has the fewest
-    FLOPs plus FLOP-equivalent split bytes (:meth:`SplitCost.rank_flops`) wins (ties: fewer
-    splits). ``holders_only``: see :func:`assign_owners`."""
-    split_cost = split_cost or SplitCost()
-    free = SplitCost(0.0, 0.0, split_cost.node_of)
-    candidates = [1] if split_max_ranks < 2 else [1, free, split_cost]
+    Matrices that alone exceed a rank's mean load may be orthogonalized by up to
+    ``ns_max_ranks`` ranks together (``multirank_newton_schulz.place_multirank_jobs``)
+    before the rest are assigned. That trades FLOPs for blocking all-reduces, so the plan is
+    built three ways (every matrix on one rank; multi-rank jobs chosen by FLOPs alone; and
+    priced by ``cost``, the all-reduce bytes at their link class) and the one whose busiest
+    rank has the fewest FLOPs plus FLOP-equivalent bytes (:meth:`MultirankCost.rank_flops`)
+    wins (ties: fewer multi-rank jobs). ``owner_aligned``: see :func:`assign_owners`."""
+    cost = cost or MultirankCost()
+    free = MultirankCost(0.0, 0.0)
+    candidates = [None] if ns_max_ranks < 2 else [None, free, cost]
     best: Optional[Tuple[float, Plan]] = None
     for candidate in candidates:
         jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
-        max_ranks = 1 if candidate == 1 else split_max_ranks
-        loads = place_split_jobs(jobs, group, max_ranks, ns_steps, holders_only, None if candidate == 1 else candidate)
-        chunks, loads = assign_owners(jobs, group, chunk_numel, holders_only, loads)
-        bound = max(split_cost.rank_flops(jobs, loads, ns_steps), default=0.0)
+        max_ranks = 1 if candidate is None else ns_max_ranks
+        loads = place_multirank_jobs(jobs, group, max_ranks, ns_steps, owner_aligned, candidate)
+        chunks, loads = assign_owners(jobs, group, chunk_numel, owner_aligned, loads)
+        bound = max(cost.rank_flops(jobs, loads, ns_steps, group), default=0.0)
         if best is None or bound < best[0]:
             best = (bound, Plan(params=list(params), jobs=jobs, chunks=chunks, group=group, loads=loads))
     return best[1]
+
+
+def plan_for_config(
+    config, params: Sequence[MuonParam], dp_ranges: Dict[int, Sequence[Tuple[int, int]]], group: OrthoGroup,
+    owner_aligned: bool = False,
+) -> Plan:
+    """:func:`build_plan` with every setting from a ``MuonConfig`` (the one way the
+    optimizer, the shape-only plans and the scale model build a plan)."""
+    return build_plan(
+        params, dp_ranges, group, config.muon_tp_mode, config.muon_num_ns_steps, config.muon_chunk_numel,
+        owner_aligned=owner_aligned, ns_method=config.muon_ns_method, ns_max_ranks=config.muon_ns_max_ranks,
+        cost=MultirankCost(config.muon_ns_intra_node_flops_per_byte, config.muon_ns_inter_node_flops_per_byte),
+    )
 
 
 def plan_statistics(plan: Plan) -> Dict[str, object]:
@@ -300,12 +297,156 @@ def plan_statistics(plan: Plan) -> Dict[str, object]:
         "matrices_per_rank": counts,
         "ns_flops_per_rank": list(plan.loads),
         "max_job_flops": max((j.flops for j in plan.jobs), default=0),
-        "split_jobs": {j.matrix.name: len(j.split) for j in plan.jobs if j.split},
+        "multirank_jobs": {j.matrix.name: len(j.ns_ranks) for j in plan.jobs if j.ns_ranks},
     }
 
 
-def block_of(matrix: LogicalMatrix, tp: int) -> Tuple[Block, ...]:
-    for t, blocks in matrix.pieces:
-        if t == tp:
-            return blocks
-    raise KeyError(f"{matrix.name} has no piece on TP rank {tp}")
+# ---------------------------------------------------------------------------------------
+# Plan -> this rank's messages
+# ---------------------------------------------------------------------------------------
+
+Piece = Tuple[int, int, int]
+"""(param index, start, end): a range of this rank's fp32 master of a Muon param."""
+
+
+@dataclass
+class ChunkMessages:
+    """This rank's share of one chunk: what it sends, what arrives, where each piece goes.
+
+    Gather (momentum pieces to the owners) and scatter (update pieces back to the holders)
+    each travel as one ``all_to_all_single`` over the orthogonalization group, packed in
+    group-rank order; the lists below are in that order."""
+
+    index: int
+    jobs: List[Job]
+    """Every job of the chunk (multi-rank Newton–Schulz pairs its collectives by them)."""
+    owned: List[Job]
+    """The jobs this rank orthogonalizes, in chunk order."""
+    momentum: List[Piece] = field(default_factory=list)
+    """Ranges whose momentum this chunk advances: those it sends first (each range once);
+    the first chunk also advances held ranges no chunk sends (a TP-replicated matrix is
+    read from TP rank 0's copy only)."""
+    kept: List[Piece] = field(default_factory=list)
+    """Ranges of ``momentum`` sent again by a later chunk (duplicated TP mode): their
+    orthogonalization input is kept until then."""
+    gather_send: List[Piece] = field(default_factory=list)
+    gather_send_splits: List[int] = field(default_factory=list)
+    gather_recv_splits: List[int] = field(default_factory=list)
+    gather_place: List[Tuple[int, int, int, int, int]] = field(default_factory=list)
+    """(owned position, tp, piece offset, receive offset, numel): where each received
+    segment lands in its matrix's TP piece."""
+    scatter_send: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    """(owned position, tp, piece offset, numel), in destination order."""
+    scatter_send_splits: List[int] = field(default_factory=list)
+    scatter_recv_splits: List[int] = field(default_factory=list)
+    scatter_apply: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    """(param index, start, end, receive offset): where each received update piece lands."""
+    gather_remote: bool = False
+    scatter_remote: bool = False
+    """Whether any rank of the group sends anything in this chunk's gather / scatter (the
+    same answer on every rank: it comes from the shared plan). If not, no collective runs."""
+
+
+def rank_messages(plan: Plan, local_starts: Sequence[int], sizes: Sequence[Optional[int]]) -> List[ChunkMessages]:
+    """Every chunk's :class:`ChunkMessages` for this rank (``plan.group.rank``);
+    ``local_starts[p]``: where this rank's master of param ``p`` starts in the param's flat
+    storage (the plan's segments are in those coordinates), ``sizes[p]`` its numel (None
+    where this rank holds none). Checked with :func:`check_coverage`."""
+    g = plan.group
+    me = g.rank
+
+    def local(job: Job, seg: Segment) -> Piece:
+        base = local_starts[job.param_index]
+        return job.param_index, seg.start - base, seg.end - base
+
+    out = []
+    for chunk in plan.chunks:
+        owned = [job for job in chunk.jobs if job.owner == me]
+        pos = {job.index: i for i, job in enumerate(owned)}
+        msg = ChunkMessages(index=chunk.index, jobs=chunk.jobs, owned=owned)
+        send: List[list] = [[] for _ in range(g.size)]
+        recv: List[list] = [[] for _ in range(g.size)]
+        out_: List[list] = [[] for _ in range(g.size)]
+        back: List[list] = [[] for _ in range(g.size)]
+        for job in chunk.jobs:
+            for seg in job.sources:
+                holder = g.rank_of(seg.tp, seg.dp)
+                msg.gather_remote |= holder != job.owner
+                if holder == me:
+                    send[job.owner].append(local(job, seg))
+                if job.owner == me:
+                    recv[holder].append((pos[job.index], seg))
+            for seg in job.dests:
+                holder = g.rank_of(seg.tp, seg.dp)
+                msg.scatter_remote |= holder != job.owner
+                if job.owner == me:
+                    out_[holder].append((pos[job.index], seg.tp, seg.piece_offset, seg.numel))
+                if holder == me:
+                    back[job.owner].append(local(job, seg))
+        msg.gather_send = [item for items in send for item in items]
+        msg.gather_send_splits = [sum(e - s for _, s, e in items) for items in send]
+        offset = 0
+        for items in recv:
+            for job_pos, seg in items:
+                msg.gather_place.append((job_pos, seg.tp, seg.piece_offset, offset, seg.numel))
+                offset += seg.numel
+        msg.gather_recv_splits = [sum(seg.numel for _, seg in items) for items in recv]
+        msg.scatter_send = [item for items in out_ for item in items]
+        msg.scatter_send_splits = [sum(item[3] for item in items) for items in out_]
+        offset = 0
+        for items in back:
+            for param_index, start, end in items:
+                msg.scatter_apply.append((param_index, start, end, offset))
+                offset += end - start
+        msg.scatter_recv_splits = [sum(e - s for _, s, e in items) for items in back]
+        out.append(msg)
+    _assign_momentum(out, sizes)
+    check_coverage(out, sizes)
+    return out
+
+
+def _assign_momentum(messages: List[ChunkMessages], sizes: Sequence[Optional[int]]) -> None:
+    """Each range's momentum advances in the first chunk that sends it (ranges sent again by
+    a later chunk are kept from there); held ranges that no chunk sends, in the first chunk."""
+    first: Dict[Piece, ChunkMessages] = {}
+    for msg in messages:
+        for piece in msg.gather_send:
+            if piece not in first:
+                first[piece] = msg
+                msg.momentum.append(piece)
+            elif first[piece] is not msg and piece not in first[piece].kept:
+                first[piece].kept.append(piece)
+    if not messages:
+        return
+    sent: Dict[int, List[Tuple[int, int]]] = {}
+    for p, s, e in first:
+        sent.setdefault(p, []).append((s, e))
+    for p, size in enumerate(sizes):
+        end = 0
+        for s, e in sorted(sent.get(p, [])):
+            if s > end:
+                messages[0].momentum.append((p, end, s))
+            end = max(end, e)
+        if size and end < size:
+            messages[0].momentum.append((p, end, size))
+
+
+def check_coverage(messages: Sequence[ChunkMessages], sizes: Sequence[Optional[int]]) -> None:
+    """Every element of every held master (``sizes[p]``: its numel, None where this rank
+    holds none) advances its momentum once and receives exactly one update piece; anything
+    else would update an element twice or never (a planner bug, never a user error)."""
+    for what, pieces in (
+        ("momentum", [p for m in messages for p in m.momentum]),
+        ("update", [(p, s, e) for m in messages for p, s, e, _ in m.scatter_apply]),
+    ):
+        by_param: Dict[int, List[Tuple[int, int]]] = {}
+        for p, s, e in pieces:
+            by_param.setdefault(p, []).append((s, e))
+        for p, size in enumerate(sizes):
+            end = 0
+            for s, e in sorted(by_param.get(p, [])):
+                if s != end:
+                    break
+                end = e
+            if (size or 0) != end or sum(e - s for s, e in by_param.get(p, [])) != (size or 0):
+                raise AssertionError(f"the plan's {what} pieces of Muon param {p} overlap or leave gaps")

@@ -25,14 +25,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-
-ShardLookup = Callable[[torch.nn.Parameter], Optional[Tuple[torch.Tensor, int, int]]]
-"""param -> (fp32 master shard, start, end in the param's flat storage) or None."""
-
 
 @dataclass
 class ClipLayer:
@@ -179,8 +175,10 @@ class QKClip:
         return maxima
 
     @torch.no_grad()
-    def apply(self, shard_of: ShardLookup) -> None:
-        """Gather the maxima, clip (if ``qk_clip``) on the master shards, reset recorders."""
+    def apply(self, shard_map) -> None:
+        """Gather the maxima and clip (if ``qk_clip``) on the fp32 masters of ``shard_map``
+        (a :class:`~megatron_muon.shard_map.ShardMap`). The chained optimizer resets the
+        recorders after every step, taken or skipped."""
         maxima = self.gather_max_logits()
         self.last_max_logits = maxima
         local = float(maxima.max()) if maxima is not None else -math.inf
@@ -198,11 +196,9 @@ class QKClip:
                 if bool((gamma >= 1.0).all()):
                     continue
                 for param, factors in row_factors(layer, gamma, self.tconfig):
-                    held = shard_of(param)
-                    if held is not None:
-                        shard, start, end = held
-                        scale_rows_(shard, start, end, param.shape[1], factors)
-        self.reset()
+                    shard = shard_map[param]
+                    if shard.master is not None:
+                        scale_rows_(shard.master, shard.start, shard.end, param.shape[1], factors)
 
     def _device(self) -> torch.device:
         for layer in self.layers:
@@ -210,5 +206,6 @@ class QKClip:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def reset(self) -> None:
+        """Clear every layer's recorded max logits (a new step records afresh)."""
         for layer in self.layers:
             layer.recorder.current_max_attn_logits = None

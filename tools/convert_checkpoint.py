@@ -6,7 +6,7 @@
   python tools/convert_checkpoint.py inspect CKPT
 """
 
-from megatron_muon.convert import main
+from megatron_muon.megatron_lm.convert import main
 
 if __name__ == "__main__":
     main()

@@ -3,7 +3,7 @@
 
 The shape of Megatron-LM's ``pretrain_gpt.py`` (that script is not in the megatron-core
 wheel; the training code it calls is): the model is Megatron-LM's ``GPTModelConfig`` from
-the arguments with our layer spec (:func:`megatron_muon.layer_specs.megatron_lm_layer_spec`),
+the arguments with our layer spec (:func:`megatron_muon.megatron_lm.layer_spec.megatron_lm_layer_spec`),
 :func:`forward_step` and :func:`train_valid_test_datasets_provider` follow Megatron-LM's, and
 ``megatron.training.pretrain`` runs everything else: initialisation, ``--load/--save``
 (torch_dist), the training loop, evaluation, logging, TensorBoard. Our layers on top
@@ -39,10 +39,10 @@ from megatron_muon.megatron_lm.launch import prepare  # noqa: E402
 
 def gpt_model_config(args: argparse.Namespace):
     """Megatron-LM's ``GPTModelConfig`` from the arguments, with our layer spec
-    (:func:`megatron_muon.layer_specs.megatron_lm_layer_spec`) unless ``--spec`` names one."""
+    (:func:`megatron_muon.megatron_lm.layer_spec.megatron_lm_layer_spec`) unless ``--spec`` names one."""
     from megatron.training.argument_utils import gpt_config_from_args
 
-    from megatron_muon.layer_specs import megatron_lm_layer_spec
+    from megatron_muon.megatron_lm.layer_spec import megatron_lm_layer_spec
 
     config = gpt_config_from_args(args)
     if args.spec is None:

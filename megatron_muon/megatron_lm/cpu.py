@@ -1,21 +1,264 @@
-"""What Megatron-LM's training code (the ``megatron.training`` of the megatron-core wheel)
-needs to run where it did not expect to: with no GPU, and from a wheel.
+"""Run Megatron-core and Megatron-LM's training code where they did not expect to: with no
+GPU (gloo, the CPU) and from a wheel.
 
-One small function per patch, applied by :func:`install` (idempotent), next to
-:func:`megatron_muon.cpu.install_cpu_patches` for Megatron-core's own CUDA calls. Megatron-LM
-features that need a GPU (transformer-engine, FP8, CUDA graphs, NCCL-only options, fused
-kernels) stay unavailable on the CPU: docs/usage.md lists them.
+* Megatron-core assumes a GPU in a handful of places (buffer placement via
+  ``torch.cuda.current_device()``, CUDA streams and events, the tensor-parallel RNG
+  tracker, literal ``device='cuda'`` and ``param.type() == 'torch.cuda.FloatTensor'``
+  checks in the distributed optimizer), plus two Megatron bugs that only show without
+  transformer-engine/Apex (torch AdamW's per-param ``step`` breaks building the state dict
+  a fresh optimizer loads into, and loading a reshardable distributed-optimizer
+  checkpoint). :func:`install_cpu_patches` replaces exactly those with CPU stand-ins,
+  process-wide, so that a real ``GPTModel`` trains with TP/PP/EP/DP over gloo on a laptop.
+* Megatron-LM's training code (the ``megatron.training`` of the megatron-core wheel) needs
+  a few more: one small function per patch, applied with the core ones by :func:`install`
+  (idempotent). Features that need a GPU (transformer-engine, FP8, CUDA graphs, NCCL-only
+  options, fused kernels) stay unavailable on the CPU: docs/usage.md lists them.
+
+Nothing here is applied on import. The main job (``launch.prepare``), the checkpoint
+converter and the test harness's ranks call it. Checked against megatron-core 0.19.2 and
+torch 2.11 (the CUDA build, run without a GPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
+import socket
 import warnings
 from typing import Any, Dict
 
 import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED: dict[str, Any] = {}
+_INSTALLED_ORIGINALS: dict[str, Any] = {}
+
+
+# --------------------------------------------------------------------------------------
+# Megatron-core on the CPU
+# --------------------------------------------------------------------------------------
+
+
+class _Stream:
+    """A CUDA stream stand-in: CPU work is already ordered, so every call is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> "_Event":
+        return _Event()
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> "_Stream":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _Event:
+    """A CUDA event stand-in (always complete)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "_Event") -> float:
+        return 0.0
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    # A bare integer device index means a CUDA ordinal in Megatron's code.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps CUDA devices to the CPU and makes CPU tensors report CUDA type names.
+
+    Megatron's distributed optimizer routes parameters by ``param.type()``
+    ('torch.cuda.BFloat16Tensor', ...) and allocates a few tensors with a literal
+    ``device='cuda'``; this mode makes both work unchanged on the CPU.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func in (torch.Tensor.to,) and args and _is_cuda_device(args[1] if len(args) > 1 else None):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors: dict) -> None:
+    """Megatron 0.19.2's reshardable optimizer loaders drop torch AdamW's per-param
+    ``step`` from the loaded tensors, then copy every state tensor, ``step`` included, and
+    fail with ``KeyError: 'step'``. Without transformer-engine or Apex (so on every CPU
+    run) Megatron's own optimizer could not load its checkpoints; keep the ``step`` its
+    ``load_state_dict`` already restored from the param groups."""
+    if "step" not in tensors:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        step = self.optimizer.state.get(main_param, {}).get("step")
+        if isinstance(step, torch.Tensor):
+            tensors = {**tensors, "step": step.clone()}
+    _INSTALLED_ORIGINALS["_set_main_param_and_optimizer_states"](self, model_param, tensors)
+
+
+def _sharded_state_dict_loadable(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Megatron 0.19.2's DistributedOptimizer without transformer-engine or Apex (torch
+    AdamW) reads the step from its state in ``state_dict()`` and asserts when no step has
+    run yet: a fresh job cannot build the state dict it loads into. Give it Megatron's own
+    remedy (``_init_optimizer_states_with_dummy_values``, used by its FSDP path) first; the
+    load then replaces every dummy value."""
+    is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+    if is_loading and not self.optimizer.state:
+        self._init_optimizer_states_with_dummy_values()
+    return _INSTALLED_ORIGINALS["sharded_state_dict"](self, *args, **kwargs)
+
+
+def _patch(obj: Any, name: str, value: Any) -> None:
+    key = f"{id(obj)}.{name}"
+    if key not in _INSTALLED:
+        _INSTALLED[key] = (obj, name, getattr(obj, name, None))
+    setattr(obj, name, value)
+
+
+def install_cpu_patches() -> None:
+    """Apply every CPU patch (idempotent). Call before building Megatron models."""
+    if "mode" in _INSTALLED:
+        return
+    c = torch.cuda
+    _patch(c, "current_device", lambda: "cpu")
+    _patch(c, "device_count", lambda: 1)
+    _patch(c, "set_device", lambda *a, **k: None)
+    _patch(c, "get_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(c, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    _patch(c, "manual_seed", lambda seed: None)
+    _patch(c, "manual_seed_all", lambda seed: None)
+    _patch(c, "synchronize", lambda *a, **k: None)
+    _patch(c, "empty_cache", lambda *a, **k: None)
+    _patch(c, "Stream", _Stream)
+    _patch(c, "Event", _Event)
+    _patch(c, "current_stream", lambda *a, **k: _Stream())
+    _patch(c, "default_stream", lambda *a, **k: _Stream())
+    _patch(c, "stream", lambda *a, **k: contextlib.nullcontext())
+    for report in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        _patch(c, report, lambda *a, **k: 0)  # Megatron-LM's memory reports: nothing on a GPU
+    _patch(c, "memory_stats", lambda *a, **k: {})
+    # No GPU: compute capability 0.0, so checks for GPU kernels fail with their own message.
+    _patch(c, "get_device_capability", lambda *a, **k: (0, 0))
+    _patch(c, "default_generators", ())
+
+    import megatron.core.tensor_parallel.random as tp_random
+
+    _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    _patch(tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        # Without transformer-engine this name is never bound, yet the router reads it.
+        _patch(moe_utils, "te_general_gemm", None)
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _INSTALLED_ORIGINALS.setdefault(
+        "_set_main_param_and_optimizer_states", DistributedOptimizer._set_main_param_and_optimizer_states
+    )
+    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_states_keeping_step)
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
+        _INSTALLED_ORIGINALS.setdefault("sharded_state_dict", DistributedOptimizer.sharded_state_dict)
+        _patch(DistributedOptimizer, "sharded_state_dict", _sharded_state_dict_loadable)
+
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _INSTALLED["mode"] = mode
+
+
+def uninstall_cpu_patches() -> None:
+    """Undo ``install_cpu_patches`` (used by tests that check for side effects)."""
+    mode = _INSTALLED.pop("mode", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    for key, (obj, name, old) in list(_INSTALLED.items()):
+        if old is None:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)
+        else:
+            setattr(obj, name, old)
+        del _INSTALLED[key]
+
+
+@contextlib.contextmanager
+def cpu_patches():
+    """Context manager form of ``install_cpu_patches``."""
+    install_cpu_patches()
+    try:
+        yield
+    finally:
+        uninstall_cpu_patches()
+
+
+def patches_installed() -> bool:
+    return "mode" in _INSTALLED
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (for a one-process rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_single_process_rendezvous() -> None:
+    """Point ``env://`` at this machine when no launcher did (plain ``python script.py``):
+    ``MASTER_ADDR`` 127.0.0.1, a free ``MASTER_PORT``, ``RANK`` 0, ``WORLD_SIZE`` 1."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+# --------------------------------------------------------------------------------------
+# Megatron-LM's training code on the CPU
+# --------------------------------------------------------------------------------------
 
 _APPLIED: Dict[str, Any] = {}
 
@@ -99,8 +342,6 @@ def install() -> bool:
     skip_helpers_build()
     if use_cuda():
         return False
-    from megatron_muon.cpu import install_cpu_patches
-
     install_cpu_patches()
     allow_cpu_initialization()
     no_device_architecture()

@@ -85,25 +85,34 @@ def add_muon_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def muon_config_from_megatron(args: argparse.Namespace, base: Optional[Any] = None) -> MuonConfig:
-    """``MuonConfig`` from Megatron-LM's parsed arguments.
-
-    Non-Muon fields come from ``base`` (the ``OptimizerConfig`` Megatron-LM built) or, without
-    it, from ``args`` as Megatron's ``get_megatron_optimizer_config`` reads them; ``muon_*``
-    fields from the flags given, MuonConfig's defaults for Megatron-LM flags left unset.
-    """
+def _optimizer_fields(source: Any) -> Dict[str, Any]:
+    """The non-Muon fields of Megatron's ``OptimizerConfig`` that ``source`` has."""
     from megatron.core.optimizer import OptimizerConfig
 
-    source = args if base is None else base
-    kw: Dict[str, Any] = {
+    return {
         f.name: getattr(source, f.name)
         for f in dataclasses.fields(OptimizerConfig)
         if f.init and not f.name.startswith("muon_") and hasattr(source, f.name)
     }
+
+
+def muon_config_from_megatron(args: argparse.Namespace) -> MuonConfig:
+    """``MuonConfig`` from Megatron-LM's parsed arguments: non-Muon fields as Megatron's
+    ``get_megatron_optimizer_config`` reads them, ``muon_*`` fields from the flags given
+    (MuonConfig's defaults for Megatron-LM flags left unset)."""
+    kw = _optimizer_fields(args)
     unset = set(getattr(args, UNSET, ()))
     kw.update({k: v for k, v in muon_args.muon_kwargs(args).items() if k not in unset})
     kw.update(optimizer="muon", use_layer_wise_distributed_optimizer=False)
     return MuonConfig(**kw)
+
+
+def with_optimizer_config(muon_config: MuonConfig, base: Any) -> MuonConfig:
+    """``muon_config`` with the non-Muon fields of the ``OptimizerConfig`` Megatron-LM built
+    (``base``: timers, lr, ... as its training setup filled them in)."""
+    kw = _optimizer_fields(base)
+    kw.update(optimizer="muon", use_layer_wise_distributed_optimizer=False)
+    return dataclasses.replace(muon_config, **kw)
 
 
 def _ours(args: argparse.Namespace) -> bool:
@@ -160,12 +169,24 @@ def _as_ours(args: argparse.Namespace) -> None:
     args.use_precision_aware_optimizer = False
 
 
-def _wrap_validate_args(original: Callable, module: Any) -> Callable:
+class _Installation:
+    """What one ``use_megatron_muon()`` shares between its wrappers: the ``MuonConfig`` its
+    ``validate_args`` built from the arguments (the only place one is built from them) and
+    the optimizer its ``get_megatron_optimizer`` built, which its ``clip_qk`` asks for the
+    max logit."""
+
+    def __init__(self) -> None:
+        self.muon_config: Optional[MuonConfig] = None
+        self.optimizer: Optional[Any] = None
+
+
+def _wrap_validate_args(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Megatron's checks as for its DistributedOptimizer (``muon`` would select its LayerWise
     one), ours before them, ``optimizer='muon'`` again after."""
 
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
+        installed.muon_config = None
         if not _ours(args):
             _check_megatron_choices(args)
             return original(args, *a, **kw)
@@ -185,7 +206,7 @@ def _wrap_validate_args(original: Callable, module: Any) -> Callable:
         if not args.use_distributed_optimizer:  # e.g. --freeze-all-layers switches it off
             raise ValueError("megatron_muon: Megatron-LM's validation switched off --use-distributed-optimizer "
                              "(--freeze-all-layers?), which --optimizer muon needs.")
-        muon_config_from_megatron(args)  # bad --muon-* values fail here, not at model setup
+        installed.muon_config = muon_config_from_megatron(args)  # bad --muon-* values fail here
         return result
 
     return validate_args
@@ -199,16 +220,12 @@ def _global_args(module: Any) -> Optional[argparse.Namespace]:
         return None
 
 
-_BUILT: Dict[str, Any] = {}
-"""The optimizer our ``get_megatron_optimizer`` wrapper built last (for ``clip_qk``)."""
-
-
-def _wrap_clip_qk(original: Callable, module: Any) -> Callable:
+def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Report our step's max logit instead of clipping again, once our optimizer is built."""
 
     @functools.wraps(original)
     def clip_qk(model, log_max_only=False):
-        optimizer = _BUILT.get("optimizer")
+        optimizer = installed.optimizer
         if optimizer is None or getattr(optimizer, "qk_clip", None) is None:
             return original(model, log_max_only=log_max_only)
         # Already done inside our step, on the fp32 master shards: report, do not clip twice.
@@ -217,7 +234,7 @@ def _wrap_clip_qk(original: Callable, module: Any) -> Callable:
     return clip_qk
 
 
-def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
+def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Ours for ``--optimizer muon --muon-impl megatron_muon``, Megatron's otherwise."""
     signature = inspect.signature(original)
 
@@ -226,7 +243,8 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
         args = _global_args(module) if getattr(config, "optimizer", None) == "muon" else None
         if args is None or not _ours(args):
             return original(config, model_chunks, *a, **kw)
-        if getattr(args, "use_layer_wise_distributed_optimizer", False) or not config.use_distributed_optimizer:
+        if (installed.muon_config is None or getattr(args, "use_layer_wise_distributed_optimizer", False)
+                or not config.use_distributed_optimizer):
             raise RuntimeError(
                 "megatron_muon: the arguments were validated without megatron_muon (LayerWise optimizer "
                 "selected); call use_megatron_muon() before parse_and_validate_args (--yaml-cfg is not supported).")
@@ -236,56 +254,56 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any) -> Callable:
         if p.get("dump_param_to_param_group_map") is not None:  # a direct call (the flag fails validation)
             raise ValueError("megatron_muon: --dump-param-to-param-group-map is not supported; drop it.")
         optimizer = get_muon_optimizer(
-            muon_config_from_megatron(args, base=config), model_chunks,
+            with_optimizer_config(installed.muon_config, config), model_chunks,
             pg_collection=p.get("pg_collection"), config_overrides=p.get("config_overrides"),
             use_gloo_process_groups=p.get("use_gloo_process_groups", True),
         )
-        _BUILT["optimizer"] = optimizer
+        installed.optimizer = optimizer
         return optimizer
 
     return get_megatron_optimizer
 
 
-def _owner_layout_config(args: Optional[argparse.Namespace], ddp_config: Any) -> Optional[MuonConfig]:
+def _owner_aligned_config(installed: _Installation, ddp_config: Any) -> Optional[MuonConfig]:
     """Our MuonConfig when DDP should get the owner-aligned layout (``muon`` with
-    ``muon_buffer_layout='owner'`` on the distributed optimizer), else None."""
-    if args is None or not _ours(args) or not getattr(ddp_config, "use_distributed_optimizer", False):
+    ``muon_buffer_layout='owner_aligned'`` on the distributed optimizer), else None."""
+    config = installed.muon_config
+    if config is None or not getattr(ddp_config, "use_distributed_optimizer", False):
         return None
-    muon_config = muon_config_from_megatron(args)
-    return muon_config if muon_config.muon_buffer_layout == "owner" else None
+    return config if config.muon_buffer_layout == "owner_aligned" else None
 
 
-def _owner_aligned_ddp(ddp_class: Callable, training_module: Any) -> Callable:
-    """``ddp_class`` whose chunks are laid out by :func:`~megatron_muon.muon_param_layout` when
-    :func:`_owner_layout_config` says so. Megatron-LM computes the distributed optimizer's layout
+def _owner_aligned_ddp(ddp_class: Callable, installed: _Installation) -> Callable:
+    """``ddp_class`` whose chunks are laid out by :func:`~megatron_muon.owner_aligned_param_layout`
+    when :func:`_owner_aligned_config` says so. Megatron-LM computes the distributed optimizer's layout
     from a flat param list (no modules, which the logical-matrix rules need); a layout it hands
     over is replaced by ours, its bucket sizes and per-chunk ``disable_bucketing`` are kept."""
-    from megatron_muon.buffer_layout import muon_param_layout
+    from megatron_muon.buffer_layout import owner_aligned_param_layout
 
     @functools.wraps(ddp_class, updated=())
     def distributed_data_parallel(*, config, ddp_config, module, disable_bucketing=False, full_param_layout=None,
                                   **kw):
-        muon_config = _owner_layout_config(_global_args(training_module), ddp_config)
+        muon_config = _owner_aligned_config(installed, ddp_config)
         if muon_config is not None:
-            full_param_layout = muon_param_layout(muon_config, module, ddp_config, disable_bucketing=disable_bucketing,
-                                                  pg_collection=kw.get("pg_collection"))
+            full_param_layout = owner_aligned_param_layout(
+                muon_config, module, ddp_config, disable_bucketing=disable_bucketing, pg_collection=kw.get("pg_collection"))
         return ddp_class(config=config, ddp_config=ddp_config, module=module, disable_bucketing=disable_bucketing,
                          full_param_layout=full_param_layout, **kw)
 
     return distributed_data_parallel
 
 
-def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any) -> Callable:
+def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any, installed: _Installation) -> Callable:
     """``get_model``'s path: with our layout, hand it a ``DP`` that builds it (Megatron-LM then
     computes no layout of its own)."""
     from megatron.core.distributed import DistributedDataParallel
 
     @functools.wraps(original)
     def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *a, **kw):
-        if (_owner_layout_config(_global_args(module), ddp_config) is not None
+        if (_owner_aligned_config(installed, ddp_config) is not None
                 and kw.get("DP", DistributedDataParallel) is DistributedDataParallel
                 and not kw.get("use_layer_wise_distributed_optimizer")):
-            kw["DP"] = _owner_aligned_ddp(DistributedDataParallel, module)
+            kw["DP"] = _owner_aligned_ddp(DistributedDataParallel, installed)
         return original(model_chunks, config, ddp_config, *a, **kw)
 
     return wrap_model_chunks_with_ddp
@@ -307,23 +325,25 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
     existing = getattr(training_module.get_megatron_optimizer, "__megatron_muon_undo__", None)
     if existing is not None:
         return existing
+    installed = _Installation()
+    wrappers = (
+        (arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments),
+        (arguments_module, "validate_args", functools.partial(_wrap_validate_args, installed=installed)),
+        (training_module, "get_megatron_optimizer", functools.partial(_wrap_get_megatron_optimizer, installed=installed)),
+        (training_module, "clip_qk", functools.partial(_wrap_clip_qk, installed=installed)),
+        (training_module, "wrap_model_chunks_with_ddp",
+         functools.partial(_wrap_wrap_model_chunks_with_ddp, installed=installed)),
+    )
     patches: List[Tuple[Any, str, Callable, Callable]] = [
         (module, name, getattr(module, name), wrap(getattr(module, name), module))
-        for module, name, wrap in (
-            (arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments),
-            (arguments_module, "validate_args", _wrap_validate_args),
-            (training_module, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
-            (training_module, "clip_qk", _wrap_clip_qk),
-            (training_module, "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
-        )
+        for module, name, wrap in wrappers
         if hasattr(module, name)
     ]
     if training_module.__name__ == "megatron.training.training":
         import megatron.training.models.dist_utils as dist_utils  # the model-config path's DDP
 
         ddp_class = dist_utils.DistributedDataParallel  # looked up by _ddp_wrap at call time
-        patches.append((dist_utils, "DistributedDataParallel", ddp_class,
-                        _owner_aligned_ddp(ddp_class, training_module)))
+        patches.append((dist_utils, "DistributedDataParallel", ddp_class, _owner_aligned_ddp(ddp_class, installed)))
     from .integrity_hooks import integrity_patches  # checksummed checkpoints in Megatron-LM's save/load
     patches += integrity_patches()
 
@@ -332,7 +352,7 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
         for module, name, original, wrapper in patches:
             if getattr(module, name) is wrapper:
                 setattr(module, name, original)
-        _BUILT.clear()
+        installed.optimizer = installed.muon_config = None
 
     for module, name, _, wrapper in patches:
         wrapper.__megatron_muon_undo__ = undo  # type: ignore[attr-defined]

@@ -180,7 +180,7 @@ def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else list(argv)
     cpu.install()
     if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: one process, no launcher
-        from megatron_muon.cpu import set_single_process_rendezvous
+        from megatron_muon.megatron_lm.cpu import set_single_process_rendezvous
 
         set_single_process_rendezvous()
     install_argument_layers()

@@ -4,7 +4,7 @@ Importing this package changes nothing; ``install_cpu_patches()`` (called for yo
 rank that ``run_distributed`` starts) applies the CPU stand-ins.
 """
 
-from .cpu import cpu_patches, install_cpu_patches, patches_installed, uninstall_cpu_patches
+from ..megatron_lm.cpu import cpu_patches, install_cpu_patches, patches_installed, uninstall_cpu_patches
 from .launcher import DistributedTestError, ParallelLayout, run_distributed
 
 __all__ = [

@@ -108,7 +108,7 @@ def _rank_main(
     stacks = open(os.path.join(outdir, f"stacks{rank}"), "w")
     faulthandler.dump_traceback_later(max(1.0, 0.9 * collective_timeout_s), file=stacks)
     try:
-        from megatron_muon.testing.cpu import install_cpu_patches
+        from megatron_muon.megatron_lm.cpu import install_cpu_patches
 
         install_cpu_patches()
         import datetime

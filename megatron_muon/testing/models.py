@@ -208,6 +208,18 @@ def _sharded_tensors(chunk: torch.nn.Module) -> List[Any]:
     ]
 
 
+def param_region(st, chunks: List[torch.nn.Module]) -> Tuple[torch.nn.Parameter, int]:
+    """The parameter a ``ShardedTensor``'s data lies in, and where it starts in the
+    parameter's flat storage (a GLU half or an expert of fused storage is a view)."""
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.untyped_storage().data_ptr() == st.data.untyped_storage().data_ptr():
+                offset = (st.data.data_ptr() - param.data_ptr()) // param.element_size()
+                if 0 <= offset and offset + st.data.numel() <= param.numel():
+                    return param, offset
+    raise KeyError(f"no parameter holds the data of {st.key}")
+
+
 def _seeded_global(key: str, shape: Tuple[int, ...], seed: int, std: float) -> torch.Tensor:
     digest = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:15], 16)
     gen = torch.Generator().manual_seed(digest)
@@ -289,8 +301,8 @@ def wrap_ddp(
     muon_config=None,
 ) -> List[torch.nn.Module]:
     """Wrap chunks in Megatron DDP the way Megatron-LM's ``get_model`` does; with a
-    ``muon_config`` asking for ``muon_buffer_layout='owner'``, each chunk gets
-    ``megatron_muon.muon_param_layout``."""
+    ``muon_config`` asking for ``muon_buffer_layout='owner_aligned'``, each chunk gets
+    ``megatron_muon.owner_aligned_param_layout``."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
@@ -301,10 +313,10 @@ def wrap_ddp(
         bucket_size=bucket_size,
     )
     layouts = [full_param_layout] * len(chunks)
-    if muon_config is not None and muon_config.muon_buffer_layout == "owner":
-        from megatron_muon.buffer_layout import muon_param_layout
+    if muon_config is not None and muon_config.muon_buffer_layout == "owner_aligned":
+        from megatron_muon.buffer_layout import owner_aligned_param_layout
 
-        layouts = [muon_param_layout(muon_config, c, ddp_config, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        layouts = [owner_aligned_param_layout(muon_config, c, ddp_config, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     return [
         DistributedDataParallel(
             config=config,
@@ -446,7 +458,7 @@ def megatron_adam_optimizer(model: List[torch.nn.Module], lr: float = 1e-2, **ov
 
 def reference_train(
     spec, config: MuonConfig, batches: Sequence[torch.Tensor], micro_batch_size: int,
-    lrs: Optional[Sequence[float]] = None,
+    lrs: Optional[Sequence[float]] = None, cautious_masks: Optional[Sequence[Dict[str, torch.Tensor]]] = None,
 ):
     """Train the one-rank model of ``spec`` with ``ReferenceMuon``; run it inside
     ``run_distributed(reference_train, 1, spec, config, batches, micro_batch_size)``.
@@ -457,14 +469,15 @@ def reference_train(
     ``.grad``. ``lrs`` optionally gives each step's lr. Returns ``(losses, state)``: each
     step's loss (forward before that step's update) and ``gather_canonical_state``.
     """
-    from ..reference import ReferenceMuon
+    from .reference import ReferenceMuon
 
     chunks = build_model_chunks(spec)
     assert len(chunks) == 1, "reference_train runs a one-rank model"
     model = chunks[0]
     canonical_init_(chunks, seed=0)
     opt = ReferenceMuon(chunks, config)
-    losses = []
+    keys = {id(p): k for k, p in opt.params.items()}
+    losses, flips = [], []
     for i, tokens in enumerate(batches):
         model.zero_grad(set_to_none=True)
         micro = tokens.split(micro_batch_size, dim=0)
@@ -476,5 +489,16 @@ def reference_train(
             (loss / len(micro)).backward()
             total += float(loss.detach())
         losses.append(total / len(micro))
-        opt.step(lr=None if lrs is None else lrs[i])
+        masks = None
+        if cautious_masks is not None:
+            masks = {}
+            for st in _sharded_tensors(model):
+                if st.key in cautious_masks[i]:
+                    param, offset = param_region(st, chunks)
+                    mask = masks.setdefault(keys[id(param)], torch.zeros_like(param))
+                    mask.view(-1)[offset : offset + st.data.numel()] = cautious_masks[i][st.key][st.global_slice()].reshape(-1)
+        opt.step(lr=None if lrs is None else lrs[i], cautious_masks=masks)
+        flips.append({k: s["cautious"] for k, s in opt.state.items() if "cautious" in s})
+    if cautious_masks is not None:
+        return losses, gather_canonical_state(chunks), flips
     return losses, gather_canonical_state(chunks)

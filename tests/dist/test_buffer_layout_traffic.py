@@ -11,7 +11,7 @@ from megatron_muon.testing import models as M
 
 def _counted_step(spec: M.TinyModelSpec, layout: str):
     """``(model, optimizer, traffic)`` of one optimizer step of ours, its collectives counted."""
-    from megatron_muon.traffic import count_collectives
+    from megatron_muon.testing.traffic import count_collectives
     from tests.helpers.training import MBS, GBS, build
 
     _, model, opt, _ = build(spec, muon_buffer_layout=layout)
@@ -28,12 +28,12 @@ def _counted_step(spec: M.TinyModelSpec, layout: str):
 def _count_step(layout: str):
     """Bytes by process-group kind of one optimizer step of ours on DP2 x TP2."""
     _, opt, traffic = _counted_step(M.TinyModelSpec(kind="gqa"), layout)
-    return dict(kinds=dict(traffic.bytes), groups=dict(traffic.by_group), owner=opt.muon_optimizers[0].owner_layout)
+    return dict(kinds=dict(traffic.bytes), groups=dict(traffic.by_group), owner=opt.muon_optimizers[0].owner_aligned)
 
 
 @pytest.mark.timeout(300)
 def test_owner_layout_sends_muon_pieces_only_inside_the_tp_group():
-    owner, megatron = (run_distributed(_count_step, 4, layout, tp=2, timeout_s=250) for layout in ("owner", "megatron"))
+    owner, megatron = (run_distributed(_count_step, 4, layout, tp=2, timeout_s=250) for layout in ("owner_aligned", "megatron"))
     for r in owner:
         assert r["owner"]
         # Over DP only Megatron's parameter all-gather; every Muon piece moves inside TP.
@@ -61,6 +61,6 @@ def _moe_param_all_gather(layout: str):
 def test_moe_parameters_are_all_gathered_once_per_step():
     # Dense and expert optimizers share the model chunks; each all-gathers only the bucket
     # groups of its own buffers (walking all of them gathered every group twice).
-    for layout in ("owner", "megatron"):
+    for layout in ("owner_aligned", "megatron"):
         for r in run_distributed(_moe_param_all_gather, 4, layout, ep=2, timeout_s=250):
             assert r["optimizers"] == 2 and r["counted"] == r["once"] > 0, (layout, r)

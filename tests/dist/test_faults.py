@@ -62,9 +62,8 @@ def _targets(chunks, opt) -> dict:
 
 def _shard_start(opt, param) -> int:
     for o in opt.muon_optimizers:
-        held = o.shard_of(param)
-        if held is not None:
-            return held[1]
+        if param in o.shard_map and o.shard_map[param].master is not None:
+            return o.shard_map[param].start
     return -1
 
 
@@ -128,7 +127,7 @@ def _non_finite_run():
                     scales=[o.get_loss_scale().item() for o in opt.muon_optimizers],
                 )
         out[(precision, "skipped_steps")] = opt.skips.skipped_steps
-        out[(precision, "masters_offloaded")] = all(o.offloaded_masters is not None for o in opt.muon_optimizers)
+        out[(precision, "masters_offloaded")] = all(o.masters_offload is not None for o in opt.muon_optimizers)
         loss, ok = M.train_step(model, opt, batches[2], MBS, spec)
         out[(precision, "recovers")] = ok and math.isfinite(loss)
 
@@ -534,16 +533,16 @@ def test_megatron_lm_save_and_load_checkpoint_carry_the_manifest(tmp_path):
 ONE_KV_GROUP = dict(kind="gqa", num_query_groups=1)
 QKV_VARIANTS = {
     "part": {},
-    "head": dict(muon_qkv_split="head"),
-    "duplicated": dict(muon_tp_mode="duplicated", muon_qkv_split="group"),
+    "head": dict(muon_qkv_granularity="head"),
+    "duplicated": dict(muon_tp_mode="duplicated", muon_qkv_granularity="group"),
 }
 
 
 def _qkv_references():
     from tests.helpers.training import reference
 
-    return reference(ONE_KV_GROUP, {"part": {}, "head": dict(muon_qkv_split="head"),
-                                    "duplicated": dict(muon_qkv_split="group")})
+    return reference(ONE_KV_GROUP, {"part": {}, "head": dict(muon_qkv_granularity="head"),
+                                    "duplicated": dict(muon_qkv_granularity="group")})
 
 
 @pytest.mark.timeout(400)

@@ -69,7 +69,7 @@ def test_given_flags_reach_the_muon_config():
 def test_megatron_defaults_do_not_override_ours():
     cfg, ours = I.muon_config_from_megatron(parse("--optimizer", "muon")), MuonConfig()
     for name in ("muon_momentum", "muon_nesterov", "muon_tp_mode", "muon_scale_mode", "muon_split_qkv",
-                 "muon_coefficient_type", "muon_num_ns_steps", "muon_ns_dtype", "muon_qkv_split"):
+                 "muon_coefficient_type", "muon_num_ns_steps", "muon_ns_dtype", "muon_qkv_granularity"):
         assert getattr(cfg, name) == getattr(ours, name), name
 
 
@@ -224,7 +224,7 @@ def test_megatron_lm_parser_and_validation(megatron_lm):
     assert (args.optimizer, args.use_distributed_optimizer, args.use_layer_wise_distributed_optimizer) == (
         "muon", True, False)
     config, overrides = training.get_megatron_optimizer_config(args)
-    cfg = I.muon_config_from_megatron(args, base=config)
+    cfg = I.with_optimizer_config(I.muon_config_from_megatron(args), config)
     assert (cfg.lr, cfg.muon_tp_mode, cfg.muon_nesterov, cfg.muon_momentum) == (0.02, "exact", False, 0.95)
     assert training.get_megatron_optimizer.__megatron_muon_undo__ is not None
     with pytest.raises(ValueError, match="--use-distributed-optimizer"):
@@ -233,7 +233,7 @@ def test_megatron_lm_parser_and_validation(megatron_lm):
     offload = ["--optimizer-cpu-offload", "--use-precision-aware-optimizer", "--muon-cpu-offload"]
     args = parse_and_validate(arguments, ARGV + offload)
     config, _ = training.get_megatron_optimizer_config(args)
-    cfg = I.muon_config_from_megatron(args, base=config)
+    cfg = I.with_optimizer_config(I.muon_config_from_megatron(args), config)
     assert (cfg.optimizer_cpu_offload, cfg.optimizer_offload_fraction, cfg.muon_cpu_offload) == (True, 1.0, True)
     assert not cfg.use_precision_aware_optimizer
     with pytest.raises(ValueError, match="optimizer_offload_fraction=0.5"):
@@ -259,7 +259,7 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
     from megatron.training import global_vars
 
     from megatron_muon import get_muon_optimizer
-    from megatron_muon.buffer_layout import is_muon_param_layout
+    from megatron_muon.buffer_layout import is_owner_aligned
     from megatron_muon import MuonChainedOptimizer
     from megatron_muon.testing import models as M
 
@@ -280,10 +280,10 @@ def _through_megatron_lm(ckpt_dir: str) -> dict:
         config, model, config_overrides=overrides, use_gloo_process_groups=args.use_gloo_process_groups,
         dump_param_to_param_group_map=args.dump_param_to_param_group_map)
     assert isinstance(opt, MuonChainedOptimizer)
-    ref_config = I.muon_config_from_megatron(args, base=config)
+    ref_config = I.with_optimizer_config(I.muon_config_from_megatron(args), config)
     ref_model = M.wrap_ddp(ref_chunks, ref_chunks[0].config, muon_config=ref_config)
     ref_opt = get_muon_optimizer(ref_config, ref_model)
-    owner_aligned = is_muon_param_layout(model)
+    owner_aligned = is_owner_aligned(model)
     initial = M.gather_canonical_state(chunks)
     logged = []
     for tokens in batches[:2]:

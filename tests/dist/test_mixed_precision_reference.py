@@ -145,7 +145,7 @@ def _full_state(model, opt, key: str) -> Dict[torch.nn.Parameter, torch.Tensor]:
 def _reference(spec_kwargs: dict, cfg):
     """An fp32 twin of the model (same spec, same parallel layout, so the same names and
     local experts) and ``ReferenceMuon`` over it, with our optimizer's hyper-parameters."""
-    from megatron_muon.reference import ReferenceMuon
+    from megatron_muon.testing.reference import ReferenceMuon
 
     twin = M.build_model_chunks(M.TinyModelSpec(**spec_kwargs))[0]
     return twin, ReferenceMuon([twin], cfg)
@@ -231,7 +231,7 @@ def _step_against_reference(model, opt, spec, tokens, names, twin, ref) -> dict:
 
 
 def _offload_facts(opt) -> dict:
-    masters = [o.offloaded_masters for o in opt.muon_optimizers]
+    masters = [o.masters_offload for o in opt.muon_optimizers]
     return dict(offloaded=all(m is not None for m in masters), in_pool=all(m.in_pool() for m in masters if m is not None))
 
 

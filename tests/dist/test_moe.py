@@ -53,15 +53,18 @@ def test_moe_equals_reference(request, moe_reference, world, layout, model):
 
 
 def _overlap_trace():
-    """One MoE step with and without the overlap; the trace and the resulting weights."""
+    """Two MoE steps with and without the overlap; the last step's trace and the weights."""
+    from megatron_muon.testing.trace import trace_step
+
     spec = M.TinyModelSpec(**MOE)
     tokens = M.synthetic_batches(spec, GBS, 2)
     out = {}
     for overlap in (True, False):
         chunks, model, opt, sched = build(spec, muon_overlap_expert_ns=overlap, muon_chunk_numel=4096)
         for batch in tokens:
-            M.train_step(model, opt, batch, MBS, spec)
-        out[overlap] = dict(trace=opt.trace, params=[p.detach().clone() for p in chunks[0].parameters()])
+            with trace_step(opt) as trace:
+                M.train_step(model, opt, batch, MBS, spec)
+        out[overlap] = dict(trace=trace.events, params=[p.detach().clone() for p in chunks[0].parameters()])
     return out
 
 
@@ -105,21 +108,21 @@ def test_moe_trains_50_steps():
 def test_deepseek_v3_layer_plan_without_building_the_model():
     """The planner on shapes alone: one DeepSeek-V3 MoE layer (256 experts, EP 64)."""
     from megatron_muon.newton_schulz import newton_schulz_flops
-    from megatron_muon.synthetic import deepseek_v3_expert_plan
+    from megatron_muon.testing.synthetic import deepseek_v3_expert_plan
 
     fc1 = newton_schulz_flops(2 * 2048, 7168)
     fc2 = newton_schulz_flops(7168, 2048)
     for edp in (1, 4, 8):
-        stats = deepseek_v3_expert_plan(edp_size=edp, muon_split_ns_max_ranks=1)
+        stats = deepseek_v3_expert_plan(edp_size=edp, muon_ns_max_ranks=1)
         assert stats["experts_per_ep_rank"] == 4 and stats["matrices"] == 8
         loads = stats["ns_flops_per_rank"]
         assert len(loads) == edp and sum(loads) == 4 * (fc1 + fc2)
         assert max(loads) - min(loads) <= stats["max_job_flops"]
-        # With split Newton–Schulz (the default) on 8 ranks, each fc1 (more than a rank's
+        # With multi-rank Newton–Schulz (the default) on 8 ranks, each fc1 (more than a rank's
         # mean) is shared by two ranks: a lower maximum, at the price of redundant A A work.
         split_stats = deepseek_v3_expert_plan(edp_size=edp)
         assert max(split_stats["ns_flops_per_rank"]) <= max(loads)
-        assert len(split_stats["split_jobs"]) == (4 if edp == 8 else 0), split_stats["split_jobs"]
+        assert len(split_stats["multirank_jobs"]) == (4 if edp == 8 else 0), split_stats["multirank_jobs"]
     split = deepseek_v3_expert_plan(edp_size=1, muon_split_glu=True)
     assert split["matrices"] == 12
 
@@ -145,7 +148,7 @@ def test_owners_prefer_ranks_that_hold_the_matrix(dp):
 
     from megatron_muon import MuonConfig
     from megatron_muon.planner import plan_statistics
-    from megatron_muon.synthetic import moe_expert_layer_shapes, synthetic_plan
+    from megatron_muon.testing.synthetic import moe_expert_layer_shapes, synthetic_plan
 
     shapes = moe_expert_layer_shapes(16, 1, 256, 384, glu=True)
     plan = synthetic_plan(shapes, SimpleNamespace(gated_linear_unit=True, hidden_size=256),

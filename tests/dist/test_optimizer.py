@@ -20,8 +20,8 @@ VARIANTS = {"fp32": {}, "bf16": BF16_NS}
 # Finer logical matrices (per head / per query group, gate and up apart), and a pipeline
 # of many small chunks with two gathers in flight: checked on DP2 x TP2.
 EXTRA = {
-    "split": dict(muon_qkv_split="head", muon_split_glu=True),
-    "group": dict(muon_qkv_split="group"),
+    "split": dict(muon_qkv_granularity="head", muon_split_glu=True),
+    "group": dict(muon_qkv_granularity="group"),
     "chunks": dict(muon_chunk_numel=3000, muon_max_inflight_chunks=2),
     # Megatron's byte-level DDP layout (the other variants use the owner-aligned default).
     "megatron": dict(muon_buffer_layout="megatron"),
@@ -100,39 +100,41 @@ def test_equals_single_process_reference(request, references, world, layout, mod
 
 
 # One layer with a wide MLP on 4 ranks: fc1 (1024 x 64) and fc2 (64 x 512) each cost more
-# than a rank's mean Newton–Schulz load, so the plan splits fc1 over 4 ranks and fc2 over 2
-# (links priced at 0: at real link speeds splits of such small matrices do not pay).
+# than a rank's mean Newton–Schulz load, so the plan spreads fc1 over 4 ranks and fc2 over 2
+# (links priced at 0: at real link speeds that does not pay for matrices this small).
 SPLIT_MODEL = dict(kind="gqa", num_layers=1, ffn_hidden_size=512)
-FREE_LINKS = dict(muon_split_ns_intra_flops_per_byte=0.0, muon_split_ns_inter_flops_per_byte=0.0)
-SPLIT_VARIANTS = {"fp32": FREE_LINKS, "unsplit": dict(muon_split_ns_max_ranks=1), "bf16": {**BF16_NS, **FREE_LINKS}}
+FREE_LINKS = dict(muon_ns_intra_node_flops_per_byte=0.0, muon_ns_inter_node_flops_per_byte=0.0)
+SPLIT_VARIANTS = {"fp32": FREE_LINKS, "unsplit": dict(muon_ns_max_ranks=1), "bf16": {**BF16_NS, **FREE_LINKS}}
 
 
-def _split_runs():
-    """The optimizer with and without split NS, plus split_newton_schulz's kernel on its
-    own against newton_schulz (fp32) for groups of 2 and 4 ranks and a tall matrix."""
+def _multirank_runs():
+    """The optimizer with and without multi-rank NS, plus the multi-rank kernel on its own
+    against newton_schulz (fp32) for groups of 2 and 4 ranks and a tall matrix."""
     from types import SimpleNamespace
 
     import torch.distributed as dist
 
-    from megatron_muon.newton_schulz import newton_schulz
-    from megatron_muon.split_newton_schulz import SplitNewtonSchulz, split_traffic
+    from megatron_muon.multirank_newton_schulz import multirank_newton_schulz, multirank_traffic
+    from megatron_muon.newton_schulz import newton_schulz, resolve_coefficients
+    from megatron_muon.process_groups import subgroup
+    from megatron_muon.testing.traffic import count_collectives
 
     out = train(SPLIT_MODEL, SPLIT_VARIANTS)
     rank = dist.get_rank()
     g = torch.Generator().manual_seed(3)
     errors = {}
+    schedule = resolve_coefficients("polar_express").schedule(5)
     for members, shape in (((0, 1), (24, 90)), ((0, 1, 2, 3), (90, 24)), ((2, 3, 0, 1), (33, 101))):
         G = torch.randn(*shape, generator=g)
         if rank not in members:
             continue
-        # The two things SplitNewtonSchulz reads from a plan: this rank and the split jobs.
-        plan = SimpleNamespace(group=SimpleNamespace(rank=rank, group=dist.group.WORLD),
-                               jobs=[SimpleNamespace(split=members)])
-        split = SplitNewtonSchulz(plan, 5, "polar_express", torch.float32)
-        result = split.orthogonalize(G if rank == members[0] else None, shape, tuple(sorted(members)), members[0])
+        group = subgroup(SimpleNamespace(group=dist.group.WORLD), members)
+        with count_collectives() as traffic:
+            result = multirank_newton_schulz(G if rank == members[0] else None, shape, group, tuple(sorted(members)),
+                                             members[0], schedule, torch.float32, None)
         # The bytes counted are the ones the scale model prices (block upper triangle of A).
-        modelled = split_traffic(*shape, 5, len(members), 4)["all_reduce"]
-        assert split.traffic["split_all_reduce"] == modelled, (split.traffic, modelled)
+        modelled = multirank_traffic(*shape, 5, len(members), 4)["all_reduce"]
+        assert traffic.bytes["all_reduce"] == modelled, (dict(traffic.bytes), modelled)
         if rank == members[0]:
             exact = newton_schulz(G, 5, "polar_express", torch.float32)
             errors[f"{len(members)} ranks {shape}"] = ((result - exact).abs().max() / exact.abs().max()).item()
@@ -141,13 +143,13 @@ def _split_runs():
 
 
 @pytest.mark.timeout(600)
-def test_split_newton_schulz_equals_reference_and_unsplit():
-    results = run_distributed(_split_runs, 4, timeout_s=500)
+def test_multirank_newton_schulz_equals_reference_and_one_rank():
+    results = run_distributed(_multirank_runs, 4, timeout_s=500)
     ref = run_distributed(reference, 1, SPLIT_MODEL, {"fp32": {}, "bf16": BF16_NS}, timeout_s=300)[0]
     stats = results[0]["fp32"]["stats"][0]
-    assert stats["split_jobs"] == {
+    assert stats["multirank_jobs"] == {
         "decoder.layers.0.mlp.linear_fc1.weight": 4, "decoder.layers.0.mlp.linear_fc2.weight": 2}, stats
-    assert results[0]["unsplit"]["stats"][0]["split_jobs"] == {}
+    assert results[0]["unsplit"]["stats"][0]["multirank_jobs"] == {}
     errors = {k: v for r in results for k, v in r["kernel_errors"].items()}
     assert len(errors) == 3 and max(errors.values()) < 1e-5, errors
     for name, tol in (("fp32", 1e-5), ("bf16", 2e-2)):
@@ -158,9 +160,12 @@ def test_split_newton_schulz_equals_reference_and_unsplit():
     unsplit = M.merge_canonical_states([r["unsplit"]["state"] for r in results])
     mlp = {k: v for k, v in unsplit.items() if "linear_fc" in k}
     err, key = max_rel_err(split, mlp, "max")
-    assert err <= 1e-5, f"split vs unsplit: {key} differs by {err:.2e}"
-    # Every matrix computed once (by its owner; a split one by its leader).
+    assert err <= 1e-5, f"multi-rank vs one rank: {key} differs by {err:.2e}"
+    # Every matrix computed once (by its owner; a multi-rank one by its leader).
     computed = [n for r in results for n in r["fp32"]["computed"]]
     assert len(computed) == len(set(computed)) == stats["matrices"]
-    sent = {k: sum(r["fp32"]["traffic"].get(k, 0) for r in results) for k in ("split_scatter", "split_all_reduce")}
-    assert all(v > 0 for v in sent.values()), sent
+    # The multi-rank jobs sent their blocks and all-reduced their Gram matrices.
+    sent = {run: {k: sum(r[run]["traffic"].get(k, 0) for r in results) for k in ("scatter", "all_reduce")}
+            for run in ("fp32", "unsplit")}
+    assert sent["fp32"]["scatter"] > 0 == sent["unsplit"]["scatter"], sent
+    assert sent["fp32"]["all_reduce"] > sent["unsplit"]["all_reduce"], sent

@@ -6,7 +6,6 @@ Each test is one spawned run that performs several checks (starting ranks is slo
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -110,8 +109,10 @@ def _params(chunks):
     return [p.detach().clone() for c in chunks for p in c.parameters()]
 
 
-def _bf16_fp16_resume():
+def _bf16_fp16_resume(ckpt_dir: str):
     from megatron.core import parallel_state
+
+    from megatron_muon.checkpoint import load_checkpoint, save_checkpoint
 
     out = {}
     # 50 bf16 steps on a fixed set of 4 batches: the model memorises them, the loss falls.
@@ -121,24 +122,18 @@ def _bf16_fp16_resume():
     batches = M.synthetic_batches(spec, GBS, 4)
     out["bf16_losses"], _ = _train_steps(model, opt, sched, spec, [batches[i % 4] for i in range(50)])
 
-    # Resume: snapshot after 3 steps, continue 2; a fresh model + optimizer loaded from the
-    # snapshot must continue bit for bit.
+    # Resume: a checkpoint after 3 steps, continue 2; a fresh model + optimizer loaded from
+    # the checkpoint must continue bit for bit.
     spec = M.TinyModelSpec(kind="gqa", bf16=True)
     batches = M.synthetic_batches(spec, GBS, 5, seed=3)
     chunks, model, opt, sched = build(spec)
     _train_steps(model, opt, sched, spec, batches[:3])
-    snapshot = (
-        [copy.deepcopy(c.state_dict()) for c in model],
-        copy.deepcopy(opt.state_dict()),
-        sched.state_dict(),
-    )
+    save_checkpoint(ckpt_dir, model, opt, extra={"scheduler": sched.state_dict()})
     cont_losses, _ = _train_steps(model, opt, sched, spec, batches[3:])
     cont_params = _params(chunks)
     chunks2, model2, opt2, sched2 = build(spec)
-    for c, sd in zip(model2, snapshot[0]):
-        c.load_state_dict(sd)
-    opt2.load_state_dict(snapshot[1])
-    sched2.load_state_dict(snapshot[2])
+    extra = load_checkpoint(ckpt_dir, model2, opt2)
+    sched2.load_state_dict(extra["scheduler"])
     res_losses, _ = _train_steps(model2, opt2, sched2, spec, batches[3:])
     out["resume_equal"] = cont_losses == res_losses and all(
         torch.equal(a, b) for a, b in zip(cont_params, _params(chunks2))
@@ -160,8 +155,8 @@ def _bf16_fp16_resume():
     if parallel_state.get_data_parallel_rank() == 1:
         # Poison a gradient element inside this rank's own distributed-optimizer shard.
         muon = opt.muon_optimizers[0]
-        mp = next(mp for mp, s in zip(muon.muon_params, muon._shards) if s is not None)
-        start = muon._get_model_param_range_map(mp.param)["param"].start
+        mp = next(mp for mp, s in zip(muon.muon_params, muon.muon.masters) if s is not None)
+        start = muon.shard_map[mp.param].start
         mp.param.main_grad.view(-1)[start] = float("inf")
     ok, _, _ = opt.step()
     out["overflow_step_ok"] = ok
@@ -176,8 +171,8 @@ def _bf16_fp16_resume():
 
 
 @pytest.mark.timeout(400)
-def test_bf16_training_fp16_overflow_and_resume():
-    ranks = run_distributed(_bf16_fp16_resume, 2, timeout_s=380)
+def test_bf16_training_fp16_overflow_and_resume(tmp_path):
+    ranks = run_distributed(_bf16_fp16_resume, 2, str(tmp_path / "ckpt"), timeout_s=380)
     losses = ranks[0]["bf16_losses"]
     assert sum(losses[-4:]) / 4 < 0.6 * sum(losses[:4]) / 4, losses
     for r in ranks:
@@ -214,7 +209,7 @@ def _freeze_matrices():
 
 def _adam_parity_and_traffic():
     from megatron_muon import get_muon_optimizer
-    from megatron_muon.traffic import count_collectives
+    from megatron_muon.testing.traffic import count_collectives
 
     spec = DENSE
     batches = M.synthetic_batches(spec, GBS, 3, seed=7)
@@ -275,7 +270,7 @@ def test_config_errors():
     for field, value in [
         ("muon_tp_mode", "distributed"),
         ("muon_scale_mode", "rms"),
-        ("muon_qkv_split", "token"),
+        ("muon_qkv_granularity", "token"),
         ("muon_coefficient_type", "cubic"),
         ("muon_ns_method", "fast"),
         ("muon_ns_dtype", torch.int8),
@@ -349,15 +344,15 @@ def test_compile_flag_and_ns_method_reach_newton_schulz():
     assert set(out["eager"]) == {choose_method(*shape) for shape in out["shapes"]}
 
 
-def test_plan_splits_the_matrix_that_bounds_the_step():
+def test_plan_spreads_the_matrix_that_bounds_the_step_over_ranks():
     # One wide MLP (fc1 4096 x 256, fc2 256 x 2048) and a few small matrices on 16 DP ranks:
     # fc1 and fc2 alone exceed a rank's mean load, so each goes to an aligned block of ranks.
     from types import SimpleNamespace
 
     from megatron_muon import MuonConfig
     from megatron_muon.planner import plan_statistics
-    from megatron_muon.split_newton_schulz import member_flops
-    from megatron_muon.synthetic import ParamShape, synthetic_plan
+    from megatron_muon.multirank_newton_schulz import member_flops
+    from megatron_muon.testing.synthetic import ParamShape, synthetic_plan
 
     shapes = [ParamShape("fc1", (4096, 256), parent_attr="linear_fc1"),
               ParamShape("fc2", (256, 2048), parent_attr="linear_fc2")]
@@ -365,29 +360,29 @@ def test_plan_splits_the_matrix_that_bounds_the_step():
     model = SimpleNamespace(gated_linear_unit=False, hidden_size=256)
 
     def plan(**cfg):
-        # Links priced at 0: these tiny matrices are split by their FLOPs alone.
-        free = dict(muon_split_ns_intra_flops_per_byte=0.0, muon_split_ns_inter_flops_per_byte=0.0)
+        # Links priced at 0: these tiny matrices are spread by their FLOPs alone.
+        free = dict(muon_ns_intra_node_flops_per_byte=0.0, muon_ns_inter_node_flops_per_byte=0.0)
         return synthetic_plan(shapes, model, MuonConfig(lr=1e-3, **{**free, **cfg}), 1, 16)
 
-    unsplit, split = plan_statistics(plan(muon_split_ns_max_ranks=1)), plan(muon_split_ns_max_ranks=8)
+    unsplit, split = plan_statistics(plan(muon_ns_max_ranks=1)), plan(muon_ns_max_ranks=8)
     stats = plan_statistics(split)
     mean = sum(unsplit["ns_flops_per_rank"]) / 16
     # fc2 needs 8 ranks to get under the mean; fc1 would need 16, capped at 8.
-    assert stats["split_jobs"] == {"fc1": 8, "fc2": 8}, stats["split_jobs"]
-    assert plan_statistics(plan(muon_split_ns_max_ranks=2))["split_jobs"] == {"fc1": 2, "fc2": 2}
+    assert stats["multirank_jobs"] == {"fc1": 8, "fc2": 8}, stats["multirank_jobs"]
+    assert plan_statistics(plan(muon_ns_max_ranks=2))["multirank_jobs"] == {"fc1": 2, "fc2": 2}
     for job in split.jobs:
-        if job.split:
-            members = sorted(job.split)
+        if job.ns_ranks:
+            members = sorted(job.ns_ranks)
             g = len(members)
             assert members == list(range(members[0], members[0] + g)) and members[0] % g == 0
-            assert job.owner == job.split[0] and job.flops == member_flops(*job.matrix.ns_shape, 5, g)
+            assert job.owner == job.ns_ranks[0] and job.flops == member_flops(*job.matrix.ns_shape, 5, g)
             # The smallest power of two that brings the per-member cost under the mean, or the cap.
             assert (job.flops <= mean or g == 8) and mean < member_flops(*job.matrix.ns_shape, 5, g // 2)
     loads = stats["ns_flops_per_rank"]
     assert max(loads) <= 0.5 * max(unsplit["ns_flops_per_rank"])
     assert max(loads) / (sum(loads) / len(loads)) <= 1.5
-    with pytest.raises(ValueError, match="muon_split_ns_max_ranks"):
-        MuonConfig(lr=1e-3, muon_split_ns_max_ranks=3)
+    with pytest.raises(ValueError, match="muon_ns_max_ranks"):
+        MuonConfig(lr=1e-3, muon_ns_max_ranks=3)
 
 
 def _alone_and_chained():

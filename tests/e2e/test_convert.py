@@ -371,7 +371,7 @@ def save_then_hang(*args, **kwargs):
     print("WRITTEN", flush=True)
     time.sleep(600)
 dcp.save = save_then_hang
-from megatron_muon.convert import main
+from megatron_muon.megatron_lm.convert import main
 main(sys.argv[1:])
 """
 
@@ -392,7 +392,7 @@ def _kill_when_written(*args: str) -> None:
 
 
 def _tensors(path: str) -> dict:
-    from megatron_muon.convert import read_checkpoint
+    from megatron_muon.megatron_lm.convert import read_checkpoint
 
     return read_checkpoint(path).tensors
 

@@ -49,7 +49,7 @@ def launch(cmd: List[str], timeout: int = 200) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-OFF_LAYOUT = "but DDP was built without megatron_muon.muon_param_layout()"
+OFF_LAYOUT = "but DDP was built without megatron_muon.owner_aligned_param_layout()"
 
 
 def run(cmd: List[str], timeout: int = 200) -> str:
@@ -71,7 +71,7 @@ def validation(stdout: str) -> Dict[int, float]:
 
 def tensors_finite(path: Path) -> bool:
     """Every floating-point tensor of a torch_dist checkpoint is finite (read in a fresh process)."""
-    code = ("import sys, torch; from megatron_muon.convert import read_checkpoint; c = read_checkpoint(sys.argv[1]); "
+    code = ("import sys, torch; from megatron_muon.megatron_lm.convert import read_checkpoint; c = read_checkpoint(sys.argv[1]); "
             "print(all(torch.isfinite(t).all() for t in c.tensors.values() if t.is_floating_point()))")
     return run([sys.executable, "-c", code, str(path)]).strip().splitlines()[-1] == "True"
 

@@ -21,7 +21,7 @@ from tests.helpers.training import GBS, MASTER_OFFLOAD, MBS, build
 
 QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: heads are clipped every step
 VR = dict(muon_variance_reduction=0.9)
-FREE_LINKS = dict(muon_split_ns_intra_flops_per_byte=0.0, muon_split_ns_inter_flops_per_byte=0.0)
+FREE_LINKS = dict(muon_ns_intra_node_flops_per_byte=0.0, muon_ns_inter_node_flops_per_byte=0.0)
 
 CHUNKS = dict(muon_chunk_numel=3000)
 OFFLOAD = dict(muon_cpu_offload=True, **CHUNKS)
@@ -43,7 +43,7 @@ RUNS = {
         "gqa_duplicated_chunks": (dict(kind="gqa"), dict(muon_tp_mode="duplicated", **CHUNKS)),
         "gqa_duplicated_offload": (dict(kind="gqa"), dict(muon_tp_mode="duplicated", **OFFLOAD)),
         "gqa_blockwise": (dict(kind="gqa"), dict(muon_tp_mode="blockwise")),
-        "gqa_gram_head_glu": (dict(kind="gqa"), dict(muon_ns_method="gram", muon_qkv_split="head", muon_split_glu=True)),
+        "gqa_gram_head_glu": (dict(kind="gqa"), dict(muon_ns_method="gram", muon_qkv_granularity="head", muon_split_glu=True)),
         "mla_qk": (dict(kind="mla", extra=QK), {}),
         "bf16_cautious_chunks": (dict(GQA_QK, bf16=True), dict(CAUTIOUS, **CHUNKS)),
         "bf16_cautious_masters_offload": (dict(GQA_QK, bf16=True), dict(MASTER_OFFLOAD, **CAUTIOUS, **CHUNKS)),

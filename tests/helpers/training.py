@@ -74,26 +74,30 @@ def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
     """In every rank: for each named config variant, train ``steps`` steps and report."""
     from megatron.core import parallel_state
 
+    from megatron_muon.testing.traffic import count_collectives
+
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, steps)
     out = {}
     for name, overrides in variants.items():
         chunks, model, opt, sched = build(spec, **overrides)
         losses = []
-        for tokens in batches:
-            loss, ok = M.train_step(model, opt, tokens, MBS, spec)
-            assert ok
-            sched.step(1)
-            losses.append(loss)
+        with count_collectives() as traffic:
+            for tokens in batches:
+                loss, ok = M.train_step(model, opt, tokens, MBS, spec)
+                assert ok
+                sched.step(1)
+                losses.append(loss)
         for chunk in model:  # with overlap_param_gather the last gather is still pending
             chunk.start_param_sync(force_sync=True)
         out[name] = dict(
             losses=losses,
             state=M.gather_canonical_state(chunks),
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            computed=[n for o in opt.muon_optimizers for n in o.pipeline.computed],
+            # The matrices this rank orthogonalizes (leads, when several ranks share one).
+            computed=[j.matrix.name for o in opt.muon_optimizers for j in o.plan.jobs_owned_by(o.plan.group.rank)],
             stats=[o.plan_statistics() for o in opt.muon_optimizers],
-            traffic=opt.traffic,
+            traffic=dict(traffic.bytes),
         )
     return out
 

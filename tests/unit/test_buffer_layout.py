@@ -15,12 +15,12 @@ def _layouts(shapes, dp, bucket_size=None, shards_per_node=1):
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from megatron_muon.buffer_layout import owner_aligned_layout
+    from megatron_muon.buffer_layout import owner_aligned_buffer_layout
 
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
     params = _meta_params(shapes)
     cost = lambda p: p.shape[0] * p.shape[1] * min(p.shape)  # noqa: E731 - NS FLOPs up to a constant
-    ours = owner_aligned_layout(params, cost, bucket_size, dp, ddp, shards_per_node=shards_per_node)
+    ours = owner_aligned_buffer_layout(params, cost, bucket_size, dp, ddp, shards_per_node=shards_per_node)
     megatron = DistributedOptimizer._compute_per_buffer_param_layout(params, bucket_size, dp, ddp)
     return params, ours, megatron
 

@@ -1,9 +1,13 @@
-"""The library never reaches into its test harness.
+"""Imports point one way: harness -> glue -> core.
 
-``megatron_muon.testing`` (tiny models, the gloo launcher) may import the library; nothing
-else under ``megatron_muon/`` may import ``megatron_muon.testing``, directly or relatively,
-at module level or inside a function. Read from the source with ``ast``: nothing is
-imported or run.
+* The core (``megatron_muon/*.py``: the optimizer) never imports the Megatron-LM glue
+  (``megatron_muon.megatron_lm``), the development harness (``megatron_muon.testing``),
+  ``tools`` or Megatron-LM's training code (``megatron.training``).
+* The glue never imports the harness.
+* The harness may import both.
+
+Every import counts, relative or absolute, at module level or inside a function. Read from
+the source with ``ast``: nothing is imported or run.
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ from typing import Iterator, Tuple
 from tests.helpers import REPO
 
 PACKAGE = REPO / "megatron_muon"
-HARNESS = "megatron_muon.testing"
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -43,17 +46,40 @@ def imported_modules(path: Path, root: Path = PACKAGE.parent) -> Iterator[Tuple[
                 yield node.lineno, f"{module}.{alias.name}"
 
 
-def _is_harness(module: str) -> bool:
-    return module == HARNESS or module.startswith(HARNESS + ".")
+HARNESS = "megatron_muon.testing"
+GLUE = "megatron_muon.megatron_lm"
+FORBIDDEN = {
+    "core": (GLUE, HARNESS, "tools", "megatron.training"),
+    "glue": (HARNESS,),
+}
 
 
-def test_library_does_not_import_the_test_harness():
+def _part(path: Path, package: Path) -> str:
+    """Which part of ``package`` holds ``path``: core, glue or harness."""
+    if (package / "testing") in path.parents:
+        return "harness"
+    if (package / "megatron_lm") in path.parents:
+        return "glue"
+    return "core"
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def offending_imports(root: Path = PACKAGE) -> list:
+    """``path:line imports module`` for every import against the direction."""
     offenders = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        if (PACKAGE / "testing") in path.parents:
-            continue
-        offenders += [f"{path.relative_to(PACKAGE.parent)}:{line} imports {module}"
-                      for line, module in imported_modules(path) if _is_harness(module)]
+    for path in sorted(root.rglob("*.py")):
+        forbidden = FORBIDDEN.get(_part(path, root), ())
+        offenders += [f"{path.relative_to(root.parent)}:{line} imports {module}"
+                      for line, module in imported_modules(path, root.parent)
+                      if any(_within(module, f) for f in forbidden)]
+    return offenders
+
+
+def test_imports_point_from_harness_to_glue_to_core():
+    offenders = offending_imports()
     assert not offenders, "\n".join(offenders)
 
 
@@ -62,12 +88,21 @@ def test_the_check_sees_relative_and_absolute_imports(tmp_path):
     (pkg / "sub").mkdir(parents=True)
     source = "from ..testing import models\nimport megatron_muon.testing.launcher\nfrom . import x\n"
     (pkg / "sub" / "mod.py").write_text(source)
-    found = [m for _, m in imported_modules(pkg / "sub" / "mod.py", tmp_path) if _is_harness(m)]
+    found = [m for _, m in imported_modules(pkg / "sub" / "mod.py", tmp_path) if _within(m, HARNESS)]
     assert found == ["megatron_muon.testing", "megatron_muon.testing.models", "megatron_muon.testing.launcher"]
-
-
-def test_megatron_lm_glue_stays_thin():
-    # Issue 18: Megatron-LM's training, arguments and checkpointing run as its own code;
-    # megatron_muon/megatron_lm/ holds only what Megatron-LM lacks, under 1,200 lines.
-    lines = sum(len(p.read_text().splitlines()) for p in (PACKAGE / "megatron_lm").glob("*.py"))
-    assert lines < 1200, f"megatron_muon/megatron_lm/ has {lines} lines; the target is under 1,200"
+    (pkg / "megatron_lm").mkdir()
+    (pkg / "megatron_lm" / "glue.py").write_text("def f():\n    from ..testing.models import TinyModelSpec\n")
+    (pkg / "core.py").write_text("from megatron.training import get_args\nfrom .megatron_lm import cpu\n")
+    (pkg / "testing").mkdir()
+    (pkg / "testing" / "harness.py").write_text("from ..megatron_lm import cpu\nfrom .. import core\n")
+    assert sorted(offending_imports(pkg)) == [
+        "megatron_muon/core.py:1 imports megatron.training",
+        "megatron_muon/core.py:1 imports megatron.training.get_args",
+        "megatron_muon/core.py:2 imports megatron_muon.megatron_lm",
+        "megatron_muon/core.py:2 imports megatron_muon.megatron_lm.cpu",
+        "megatron_muon/megatron_lm/glue.py:2 imports megatron_muon.testing.models",
+        "megatron_muon/megatron_lm/glue.py:2 imports megatron_muon.testing.models.TinyModelSpec",
+        "megatron_muon/sub/mod.py:1 imports megatron_muon.testing",
+        "megatron_muon/sub/mod.py:1 imports megatron_muon.testing.models",
+        "megatron_muon/sub/mod.py:2 imports megatron_muon.testing.launcher",
+    ]

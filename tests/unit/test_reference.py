@@ -10,7 +10,7 @@ import torch
 
 from megatron_muon.config import MuonConfig
 from megatron_muon.newton_schulz import newton_schulz
-from megatron_muon.reference import (
+from megatron_muon.testing.reference import (
     ReferenceMuon,
     assert_partition,
     is_muon_matrix,
@@ -127,7 +127,7 @@ _QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 
 
 def _row_sets(granularity):
-    cfg = _config(muon_split_qkv=True, muon_qkv_split=granularity)
+    cfg = _config(muon_split_qkv=True, muon_qkv_granularity=granularity)
     w = torch.arange(24.0).unsqueeze(1).expand(24, 5).contiguous()  # row r holds r
     mats = logical_matrices(_QKV, w.shape, _TC, cfg)
     assert_partition(_QKV, w.shape, mats)
@@ -151,7 +151,7 @@ def test_qkv_split_rows():
 
 
 def test_split_update_is_per_part():
-    cfg = _config(muon_split_qkv=True, muon_qkv_split="part", muon_scale_mode="shape_scaling")
+    cfg = _config(muon_split_qkv=True, muon_qkv_granularity="part", muon_scale_mode="shape_scaling")
     u = torch.randn(24, 5, generator=torch.Generator().manual_seed(0))
     out = orthogonalized_update(u, logical_matrices(_QKV, u.shape, _TC, cfg), cfg)
     k_rows = [6, 7, 8, 18, 19, 20]

@@ -6,82 +6,29 @@ A tiny MoE GPT on 2 ranks, dense weights TP2 and experts EP2 (gloo on the CPU; N
 first all-to-all gathers and, before waiting for them, runs the expert optimizer's step
 (its stacked per-expert Newton–Schulz); only then does it wait for chunk 0's pieces.
 
-The optimizer itself records the order of its stages (``optimizer.trace``: (pipeline,
-stage, chunk)). This script adds wall-clock times, in this script only: it wraps the
-pipeline's stage methods to record when each starts and ends, and watches every
-all-to-all it launches from a helper thread to record when it actually completed. The
-step runs twice, overlap on and off, so the plot shows both schedules.
+The step records nothing itself: ``megatron_muon.testing.trace.trace_step`` watches it from
+outside, recording when each stage of each chunk generator starts and ends and, from a
+helper thread, when every all-to-all actually completed. The step runs twice, overlap on
+and off, so the plot shows both schedules.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tools.bench import common
 
-STAGES = ("launch_gather", "complete_gather", "compute", "launch_scatter", "complete_scatter", "update")
 COLORS = {
-    "launch_gather": "#4c72b0", "complete_gather": "#8172b2", "compute": "#c44e52",
-    "launch_scatter": "#55a868", "complete_scatter": "#64b5cd", "update": "#ccb974",
+    "launch_gather": "#4c72b0", "complete_gather": "#8172b2", "compute": "#c44e52", "complete_scatter": "#64b5cd",
 }
-
-
-@contextlib.contextmanager
-def timed_pipeline(spans: List[Dict[str, Any]], flights: List[Dict[str, Any]]) -> Iterator[None]:
-    """Record every stage of every ``MuonPipeline`` (start, end) and every all-to-all
-    (launched, completed) while active; restores the class afterwards."""
-    from megatron_muon.pipeline import MuonPipeline
-
-    originals = {name: getattr(MuonPipeline, name) for name in STAGES + ("_exchange",)}
-
-    def wrap(stage: str):
-        fn = originals[stage]
-
-        def timed(self, comm, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(self, comm, *args, **kwargs)
-            finally:
-                spans.append(dict(pipeline=self.name, stage=stage, chunk=comm.chunk.index,
-                                  start=start, end=time.perf_counter()))
-
-        return timed
-
-    def exchange(self, kind, send, send_splits, recv_splits, *rest):
-        launched = time.perf_counter()
-        pending = originals["_exchange"](self, kind, send, send_splits, recv_splits, *rest)
-        flight = dict(pipeline=self.name, kind=kind, launched=launched, completed=None,
-                      bytes=(sum(send_splits) - send_splits[self.group.rank]) * send.element_size())
-        flights.append(flight)
-        if pending.work is not None:
-            # Poll from a helper thread: wait() would only say when someone waited.
-            def watch(work=pending.work, record=flight):
-                while not work.is_completed():
-                    time.sleep(20e-6)
-                record["completed"] = time.perf_counter()
-
-            threading.Thread(target=watch, daemon=True).start()
-        else:
-            flight["completed"] = launched
-        return pending
-
-    for stage in STAGES:
-        setattr(MuonPipeline, stage, wrap(stage))
-    MuonPipeline._exchange = exchange
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(MuonPipeline, name, fn)
+"""The spans of ``trace_step``, drawn in this order (``compute`` on top of ``complete_gather``)."""
 
 
 def rank_main(spec_kwargs: Dict[str, Any], chunk_numel: int) -> Dict[str, Any]:
@@ -91,6 +38,7 @@ def rank_main(spec_kwargs: Dict[str, Any], chunk_numel: int) -> Dict[str, Any]:
 
     from megatron_muon import MuonConfig, get_muon_optimizer
     from megatron_muon.testing import models as M
+    from megatron_muon.testing.trace import trace_step
 
     common.quiet()
     device = "cuda" if torch.cuda.is_available() and torch.cuda.current_device() != "cpu" else "cpu"
@@ -109,15 +57,14 @@ def rank_main(spec_kwargs: Dict[str, Any], chunk_numel: int) -> Dict[str, Any]:
             chunk.zero_grad_buffer()
         opt.zero_grad()
         M.forward_backward(model, tokens, 2, spec)
-        spans: List[Dict[str, Any]] = []
-        flights: List[Dict[str, Any]] = []
         dist.barrier()
         common.synchronize(device)
-        with timed_pipeline(spans, flights):
+        with trace_step(opt) as trace:
             t0 = time.perf_counter()
             opt.step()
             common.synchronize(device)
             t1 = time.perf_counter()
+        spans, flights = trace.spans, trace.flights
         deadline = time.perf_counter() + 5
         while any(f["completed"] is None for f in flights) and time.perf_counter() < deadline:
             time.sleep(1e-3)
@@ -127,7 +74,7 @@ def rank_main(spec_kwargs: Dict[str, Any], chunk_numel: int) -> Dict[str, Any]:
             f["launched"] = (f["launched"] - t0) * 1e3
             f["completed"] = (f["completed"] - t0) * 1e3 if f["completed"] is not None else None
         out["overlap" if overlap else "sequential"] = dict(
-            trace=opt.trace, spans=spans, flights=flights, step_ms=(t1 - t0) * 1e3,
+            trace=trace.events, spans=spans, flights=flights, step_ms=(t1 - t0) * 1e3,
             chunks={o.name: o.plan_statistics()["chunks"] for o in opt.muon_optimizers},
         )
     return out
@@ -137,7 +84,7 @@ def evidence(run: Dict[str, Any]) -> Dict[str, Any]:
     """When the dense pipeline's first gather was launched, completed and waited for,
     against when the expert Newton–Schulz ran (ms from the start of ``step()``)."""
     spans, flights = run["spans"], run["flights"]
-    first = next(f for f in flights if f["pipeline"] == "dense" and f["kind"] == "muon_gather")
+    first = next(f for f in flights if f["pipeline"] == "dense" and f["kind"] == "gather")
     waited = next(s for s in spans if s["pipeline"] == "dense" and s["stage"] == "complete_gather" and s["chunk"] == 0)
     expert = [s for s in spans if s["pipeline"] == "expert" and s["stage"] == "compute"]
     e_start = min((s["start"] for s in expert), default=None)
@@ -170,7 +117,7 @@ def plot(ranks: List[Dict[str, Any]], path: Path) -> None:
                     if f["pipeline"] == pipeline and f["completed"] is not None:
                         ax.broken_barh([(f["launched"], max(f["completed"] - f["launched"], 1e-3))], (y + 0.55, 0.35),
                                        facecolors="#dddddd", edgecolors="#555555", hatch="///")
-                for s in run["spans"]:
+                for s in sorted(run["spans"], key=lambda s: list(COLORS).index(s["stage"])):
                     if s["pipeline"] == pipeline:
                         ax.broken_barh([(s["start"], max(s["end"] - s["start"], 1e-3))], (y + 0.05, 0.45),
                                        facecolors=COLORS[s["stage"]])

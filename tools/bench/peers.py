@@ -136,7 +136,7 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         )
         opt = get_megatron_optimizer(cfg, model)
     elif name.startswith("ours"):
-        layout = "megatron" if name.endswith("_megatron_layout") else "owner"
+        layout = "megatron" if name.endswith("_megatron_layout") else "owner_aligned"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
         offload = name.endswith("_offload")
         cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_buffer_layout=layout,
@@ -215,28 +215,28 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
         return None
     out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0)
     for o in muon:
-        if o.offloaded_masters is None:
+        if o.masters_offload is None:
             master_bytes = sum(m.numel() * m.element_size() for m in o.float16_muon_masters())
             out["device_idle"] += master_bytes
             out["device_step_peak"] += master_bytes
         else:  # on the device only the shared one-element placeholder, no master values
-            out["offloaded"] += o.offloaded_masters.pool_bytes
-        pool = o.offload
-        momentum = [o.optimizer.state.get(m, {}).get("momentum_buffer") for m in o._shards if m is not None]
+            out["offloaded"] += o.masters_offload.pool_bytes
+        states = o.muon.shard_states
+        momentum = [states.state[m].get("momentum_buffer") for m in states.masters if m is not None]
         momentum_bytes = sum(t.numel() * t.element_size() for t in momentum if t is not None)
-        moments = list(o.second_moments.state.values()) if o.second_moments is not None else []
+        moments = [t for values in o.muon.owner_states.values.values() for t in values.values()]
         moment_bytes = sum(t.numel() * t.element_size() for t in moments)
-        if pool is None:
+        chunk = max((sum(e - s for _, s, e in msg.momentum) for msg in o.muon.messages), default=0) * 4
+        out["largest_chunk"] += chunk
+        if not states.offload:
             out["device_idle"] += momentum_bytes + moment_bytes
             out["device_step_peak"] += momentum_bytes + moment_bytes
-            chunks = [sum(e - s for _, s, e in comm.gather_send) for comm in o.pipeline.comms]
-            out["largest_chunk"] += max(chunks, default=0) * 4
         else:
-            in_pool = all(t.data_ptr() == v.data_ptr() for t, v in zip(momentum, [v for v in pool.views if v is not None]))
-            out["device_idle"] += pool.device_bytes + (0 if in_pool else momentum_bytes)
-            out["device_step_peak"] += pool.peak_device_bytes
-            out["offloaded"] += pool.pool_bytes + moment_bytes
-            out["largest_chunk"] += pool.staging_numel * 4
+            views = [v for v in states.views["momentum_buffer"] if v is not None]
+            in_pool = all(t.data_ptr() == v.data_ptr() for t, v in zip(momentum, views))
+            out["device_idle"] += states.device_bytes + (0 if in_pool else momentum_bytes)
+            out["device_step_peak"] += states.peak_device_bytes
+            out["offloaded"] += states.pool_bytes + moment_bytes
     return out
 
 
@@ -249,7 +249,7 @@ def count_traffic():
     """Every collective's bytes, Megatron's Muon included: its duplicated mode gathers TP
     shards and its layer-wise optimizer gathers parameters with the list form of
     ``torch.distributed.all_gather``, which ``count_collectives`` counts too."""
-    from megatron_muon.traffic import count_collectives
+    from megatron_muon.testing.traffic import count_collectives
 
     return count_collectives()
 
@@ -304,10 +304,10 @@ def logical_parts(name: str, full: torch.Tensor, dims: Dict[str, int]) -> Dict[s
     from types import SimpleNamespace
 
     from megatron_muon import MuonConfig
-    from megatron_muon.reference import logical_matrices
+    from megatron_muon.testing.reference import logical_matrices
 
     if not name.endswith("linear_qkv.weight"):
         return {name: full}
-    split = MuonConfig(lr=1e-3, muon_split_qkv=True, muon_qkv_split="part")
+    split = MuonConfig(lr=1e-3, muon_split_qkv=True, muon_qkv_granularity="part")
     matrices = logical_matrices(name, full.shape, SimpleNamespace(**dims), split)
     return {f"{name}[{role}]": m.read(full) for role, m in zip(("q", "k", "v"), matrices)}

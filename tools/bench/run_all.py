@@ -69,7 +69,6 @@ def steps(quick: bool, out: Path) -> List[Tuple[str, List[str]]]:
     plan.append(("overlap_trace", trace))
     plan.append(("scale_model", ["scale_model.py", "--validate", _shown(out / "optimizer_step.json"), *o]))
     plan.append(("plots", ["plots.py", *o]))
-    plan.append(("config_reference", ["config_reference.py"]))
     return plan
 
 

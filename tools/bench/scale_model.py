@@ -154,7 +154,7 @@ class RankCosts:
         self.ddp = defaultdict(lambda: [0.0] * ranks)
         self.buffers = defaultdict(lambda: [0.0] * ranks)  # bytes of DDP's grad + param buffers
         self.chunks: Dict[str, int] = {}
-        # Bytes of the split Newton–Schulz collectives (also in intra / inter): they sit
+        # Bytes of the multi-rank Newton–Schulz collectives (also in intra / inter): they sit
         # inside the compute stage, so the prediction adds their time to the NS time.
         self.sync_intra = defaultdict(lambda: [0.0] * ranks)
         self.sync_inter = defaultdict(lambda: [0.0] * ranks)
@@ -184,7 +184,7 @@ def _logical(sp: S.StageParam, m: S.ModelShape, cfg, tp_size: int):
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     from megatron_muon.matrices import MuonParam, ParamContext, logical_matrices
-    from megatron_muon.synthetic import ShapeOnlyLinear
+    from megatron_muon.testing.synthetic import ShapeOnlyLinear
 
     # The layout rules recognise fused QKV / MLA weights by their parent module's class.
     parent_cls = {"attention": SelfAttention, "mla": MLASelfAttention}.get(sp.parent_kind)
@@ -214,37 +214,36 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
 
 
 def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str,
-               owner_layout: bool) -> None:
-    from megatron_muon.planner import OrthoGroup, build_plan
-    from megatron_muon.dp_ranges import dp_ranges_in_layout
-    from megatron_muon.split_newton_schulz import SplitCost
+               owner_aligned: bool) -> None:
+    from megatron_muon.planner import plan_for_config
+    from megatron_muon.process_groups import OrthoGroup
+    from megatron_muon.shard_map import dp_ranges_in_layout
 
-    cfg = c.muon_config(muon_tp_mode=mode)
+    # Multi-rank Newton–Schulz is priced at this cluster's rates.
+    flop_rate = c.peak_tflops * 1e12 * c.ns_efficiency
+    cfg = c.muon_config(muon_tp_mode=mode,
+                        muon_ns_intra_node_flops_per_byte=flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
+                        muon_ns_inter_node_flops_per_byte=flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency))
     for expert in (False, True):
         size, n = (c.etp, c.edp) if expert else (c.tp, c.dp)
         chosen = [sp for sp in params if sp.is_matrix and sp.expert == expert and not sp.router]
         if not chosen:
             continue
-        # The Muon matrices' buffer: the tagged one under our owner layout, else the only one.
+        # The Muon matrices' buffer: the tagged one under our owner-aligned layout, else the only one.
         layout = next(lay for k, lay in layouts.layouts.items()
-                      if k.is_expert_parallel == expert and (k.is_managed_by_layer_wise_optimizer or not owner_layout))
+                      if k.is_expert_parallel == expert and (k.is_managed_by_layer_wise_optimizer or not owner_aligned))
         muon = [_logical(sp, m, cfg, size) for sp in chosen]
         ranges = {i: dp_ranges_in_layout(layout, sp.param, n) for i, sp in enumerate(chosen)}
-        # Group ranks in global-rank order, as build_ortho_group orders them.
+        # Group ranks in global-rank order, as build_ortho_group orders them; their nodes as
+        # placed on this cluster (expert-parallel rank 0).
         coords = [(t, d) for d in range(n) for t in range(size)]
-        group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n)
-        # Split NS is priced at this cluster's rates and rank placement (expert-parallel rank 0).
-        flop_rate = c.peak_tflops * 1e12 * c.ns_efficiency
-        split_cost = SplitCost(flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
-                               flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency),
-                               lambda r, coords=coords, expert=expert: c.node(rank_of(c, expert, *coords[r])))
-        plan = build_plan(muon, ranges, group, mode, NS_STEPS, cfg.muon_chunk_numel, holders_only=owner_layout,
-                          ns_method=cfg.muon_ns_method, split_max_ranks=cfg.muon_split_ns_max_ranks,
-                          split_cost=split_cost)
+        nodes = tuple(c.node(rank_of(c, expert, t, d)) for t, d in coords)
+        group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=size, dp_size=n, nodes=nodes)
+        plan = plan_for_config(cfg, muon, ranges, group, owner_aligned=owner_aligned)
         for i in range(c.tp * c.dp):
             t, d, _ = coords_of(c, expert, i)
             costs.flops[scheme][i] += plan.loads[d * size + t]
-        _split_costs(costs, scheme, plan, coords, c, expert)
+        _multirank_costs(costs, scheme, plan, coords, c, expert)
         for job in plan.jobs:
             t_o, d_o = coords[job.owner]
             for direction, segs in (("gather", job.sources), ("scatter", job.dests)):
@@ -260,7 +259,7 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
             costs.chunks[scheme] = len(plan.chunks)
 
 
-def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
+def _owner_aligned_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
     """Our owner-aligned layout (``megatron_muon.buffer_layout``) of the stage's params."""
     from megatron_muon.buffer_layout import compute_full_param_layout, muon_param_flops, tag_muon_params
 
@@ -278,25 +277,25 @@ def _owner_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[in
                                      S.ddp_config(c.grad_reduce_in_fp32), c.edp, shards_per_node=per_node)
 
 
-def _split_costs(costs: RankCosts, scheme: str, plan, coords, c: Cluster, expert: bool) -> None:
-    """Bytes of the split Newton–Schulz jobs (``megatron_muon.split_newton_schulz``): the
-    leader's column blocks out (bf16) and back, and each member's ring all-reduce of the
+def _multirank_costs(costs: RankCosts, scheme: str, plan, coords, c: Cluster, expert: bool) -> None:
+    """Bytes of the multi-rank Newton–Schulz jobs (``megatron_muon.multirank_newton_schulz``):
+    the leader's column blocks out (bf16) and back, and each member's ring all-reduce of the
     Gram matrix (fp32), classified intra- or inter-node by the members' placement."""
-    from megatron_muon.split_newton_schulz import split_traffic
+    from megatron_muon.multirank_newton_schulz import multirank_traffic
 
     for job in plan.jobs:
-        if not job.split:
+        if not job.ns_ranks:
             continue
         rows, cols = job.matrix.ns_shape
-        nbytes = split_traffic(rows, cols, NS_STEPS, len(job.split), COMM_BYTES, job.matrix.column_groups)
+        nbytes = multirank_traffic(rows, cols, NS_STEPS, len(job.ns_ranks), COMM_BYTES, job.matrix.column_groups)
         for e in range(c.ep if expert else 1):
-            ranks = [rank_of(c, expert, *coords[r], e) for r in job.split]
+            ranks = [rank_of(c, expert, *coords[r], e) for r in job.ns_ranks]
             leader = ranks[0]
             one_node = len({c.node(r) for r in ranks}) == 1
             for r in ranks[1:]:
                 same = c.node(r) == c.node(leader)
-                costs.send(scheme, "split_scatter", leader, same, nbytes["scatter"] / (len(ranks) - 1), sync=True)
-                costs.send(scheme, "split_gather", r, same, nbytes["gather"], sync=True)
+                costs.send(scheme, "multirank_scatter", leader, same, nbytes["scatter"] / (len(ranks) - 1), sync=True)
+                costs.send(scheme, "multirank_gather", r, same, nbytes["gather"], sync=True)
             for r in ranks:
                 costs.send(scheme, "all_reduce", r, one_node, nbytes["all_reduce"], sync=True)
 
@@ -317,7 +316,7 @@ def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[
 
 
 def _megatron_costs(costs: RankCosts, params: List[S.StageParam], layouts, m, c: Cluster) -> None:
-    from megatron_muon.dp_ranges import holder_dp_rank
+    from megatron_muon.shard_map import holder_dp_rank
     from megatron_muon.newton_schulz import newton_schulz_flops
 
     for sp in params:
@@ -357,11 +356,11 @@ def stage_costs(m: S.ModelShape, c: Cluster, stage: int) -> RankCosts:
     byte_level = S.buffer_layouts(params, c.dp, c.edp, bucket, c.grad_reduce_in_fp32, layer_wise=False)
     for scheme in ("adamw", "ours_exact_megatron_layout"):
         _ddp_costs(costs, scheme, byte_level, c)
-    _our_costs(costs, "ours_exact_megatron_layout", params, byte_level, m, c, "exact", owner_layout=False)
-    owner = _owner_layout(params, m, c, bucket)
+    _our_costs(costs, "ours_exact_megatron_layout", params, byte_level, m, c, "exact", owner_aligned=False)
+    owner = _owner_aligned_layout(params, m, c, bucket)
     for mode in ("exact", "blockwise", "duplicated"):
         _ddp_costs(costs, f"ours_{mode}", owner, c)
-        _our_costs(costs, f"ours_{mode}", params, owner, m, c, mode, owner_layout=True)
+        _our_costs(costs, f"ours_{mode}", params, owner, m, c, mode, owner_aligned=True)
     layer_wise = S.buffer_layouts(params, c.dp, c.edp, bucket, c.grad_reduce_in_fp32, layer_wise=True)
     for scheme in ("megatron_blockwise", "megatron_duplicated", "megatron_distributed"):
         _ddp_costs(costs, scheme, layer_wise, c)
@@ -407,7 +406,7 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
                 sync = st.sync_intra[scheme][i] / intra_bw + st.sync_inter[scheme][i] / inter_bw
                 comm = a / intra_bw + b / inter_bw - sync
                 if scheme.startswith("ours"):
-                    # Split NS's collectives run inside the compute stage, blocking.
+                    # Multi-rank NS collectives run inside the compute stage, blocking.
                     t = elem + _pipelined(comm / 2, f / flop_rate + sync, comm / 2, st.chunks.get(scheme, 1))
                 else:
                     t = elem + f / flop_rate + comm

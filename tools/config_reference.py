@@ -17,13 +17,8 @@ import typing
 from pathlib import Path
 from typing import List
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from tools.bench import common
-
-USAGE = common.REPO_ROOT / "docs" / "usage.md"
-BEGIN = "<!-- BEGIN generated: MuonConfig fields (python tools/bench/config_reference.py) -->"
+USAGE = Path(__file__).resolve().parents[1] / "docs" / "usage.md"
+BEGIN = "<!-- BEGIN generated: MuonConfig fields (python tools/config_reference.py) -->"
 END = "<!-- END generated: MuonConfig fields -->"
 
 
@@ -72,7 +67,8 @@ def table() -> str:
             raise ValueError(f"MuonConfig.{f.name} has no docstring: add one under the field in megatron_muon/config.py")
         flag = "(Python only)" if f.name in no_flag else f"`{muon_args.flag_name(f.name)}`"
         rows.append([f"`{f.name}`", _type_name(hints[f.name]), _default(f), flag, docs[f.name].replace("|", "\\|")])
-    return common.md_table(["field", "type", "default", "flag", "meaning"], rows)
+    lines = ["| field | type | default | flag | meaning |", "|---|---|---|---|---|"]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def render(text: str) -> str:
@@ -87,14 +83,13 @@ def render(text: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--check", action="store_true", help="exit 1 if docs/usage.md's table is stale")
-    p.add_argument("--quick", action="store_true", help="accepted for run_all")
     p.add_argument("--file", type=Path, default=USAGE)
     args = p.parse_args(argv)
     text = args.file.read_text()
     new = render(text)
     if args.check:
         if new != text:
-            print(f"{args.file}: the MuonConfig table is stale; run python tools/bench/config_reference.py")
+            print(f"{args.file}: the MuonConfig table is stale; run python tools/config_reference.py")
             return 1
         print(f"{args.file}: the MuonConfig table is current ({len(own_fields())} fields)")
         return 0
@@ -107,6 +102,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from tools.bench.config_reference import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

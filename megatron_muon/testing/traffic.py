@@ -9,7 +9,8 @@ aliases, patched here too).
 Bytes are what one rank puts on the wire under the usual ring algorithms: all-reduce
 ``2 (n-1)/n * size``, reduce-scatter ``(n-1)/n * input``, all-gather ``(n-1)/n * output``,
 all-to-all the input minus the part addressed to itself (tensor and list forms alike),
-broadcast ``size`` on the root.
+broadcast ``size`` on the root, scatter every other member's part on the root, gather
+each non-root member's tensor.
 Collectives on single-rank groups count zero.
 
 Bytes are also split by the kind of process group they travel in (``by_group``: ``dp``,
@@ -83,7 +84,23 @@ def _broadcast(tensor, src=None, group=None, **k) -> int:
     return _nbytes(tensor) if dist.get_rank() == src else 0
 
 
+def _scatter(tensor, scatter_list=None, *a, group=None, **k) -> int:
+    """The root sends every other member its tensor (multi-rank Newton–Schulz's blocks)."""
+    if _group_size(group) == 1 or not scatter_list:
+        return 0
+    return sum(_nbytes(t) for t in scatter_list) - _nbytes(tensor)
+
+
+def _gather(tensor, gather_list=None, *a, group=None, **k) -> int:
+    """Every member but the root sends its tensor."""
+    if _group_size(group) == 1 or gather_list:
+        return 0
+    return _nbytes(tensor)
+
+
 _COUNTERS: Dict[str, Callable[..., int]] = {
+    "scatter": _scatter,
+    "gather": _gather,
     "all_reduce": _all_reduce,
     "reduce_scatter_tensor": _reduce_scatter,
     "_reduce_scatter_base": _reduce_scatter,

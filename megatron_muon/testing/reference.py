@@ -44,7 +44,7 @@ One ``ReferenceMuon.step()``, all fp32 on full tensors:
 7. MuonClip (``muon_clip_``) when the model's ``TransformerConfig.qk_clip`` is set: per
    head, from the max logits its core attention recorded during the step's forwards.
    MLA up-projections split per head into [q nope; q rope] / [k nope; v] rows
-   (``muon_split_mla`` 'part' joins each part over the heads, 'head' keeps them apart).
+   (``muon_mla_granularity`` 'part' joins each part over the heads, 'head' keeps them apart).
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .config import MuonConfig, update_scale
-from .newton_schulz import COEFFICIENT_SETS
+from megatron_muon.config import MuonConfig, update_scale
+from megatron_muon.newton_schulz import COEFFICIENT_SETS
 
 
 class LogicalMatrix(NamedTuple):
@@ -143,12 +143,12 @@ def logical_matrices(
         ng = tconfig.num_query_groups or nh
         d = tconfig.kv_channels or tconfig.hidden_size // nh
         assert shape[0] == ng * (nh // ng + 2) * d, (name, shape, nh, ng, d)
-        return [_rows(shape, rows) for rows in qkv_row_sets(nh, ng, d, config.muon_qkv_split)]
+        return [_rows(shape, rows) for rows in qkv_row_sets(nh, ng, d, config.muon_qkv_granularity)]
     mla = re.search(r"(linear_q_proj|linear_q_up_proj|linear_kv_up_proj)\.weight$", name)
-    if mla and getattr(tconfig, "multi_latent_attention", False) and config.muon_split_mla != "none":
+    if mla and getattr(tconfig, "multi_latent_attention", False) and config.muon_split_mla:
         second = tconfig.qk_pos_emb_head_dim if "_q_" in name else tconfig.v_head_dim
         return [_rows(shape, rows) for rows in mla_row_sets(
-            tconfig.num_attention_heads, tconfig.qk_head_dim, second, config.muon_split_mla)]
+            tconfig.num_attention_heads, tconfig.qk_head_dim, second, config.muon_mla_granularity)]
     if re.search(r"linear_fc1\.weight\d*$", name) and glu and config.muon_split_glu:
         half = shape[0] // 2
         return [_rows(shape, range(half)), _rows(shape, range(half, shape[0]))]
@@ -208,8 +208,14 @@ def assert_partition(name: str, shape: Sequence[int], matrices: List[LogicalMatr
     assert bool((count == 1).all()), f"the logical matrices of {name} do not partition it"
 
 
-def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig) -> None:
-    """Momentum (per parameter), orthogonalization (per logical matrix), decoupled wd."""
+def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig,
+                mask: Optional[torch.Tensor] = None) -> None:
+    """Momentum (per parameter), orthogonalization (per logical matrix), decoupled wd.
+
+    Cautious weight decay applies ``mask`` where given (the mask another implementation
+    computed: the rule ``update * p >= 0`` is discontinuous, so rounding flips elements near
+    zero) and records in ``state["cautious"]`` how many elements its own mask would set
+    differently, and the largest ``|update * p|`` among them relative to the largest overall."""
     buf = state.setdefault("momentum_buffer", torch.zeros_like(p, dtype=torch.float32))
     mu = config.muon_momentum
     buf.mul_(mu).add_(g)
@@ -217,7 +223,14 @@ def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig)
     moments = state.setdefault("second_moment", [None] * len(matrices))
     update = orthogonalized_update(u, matrices, config, moments)
     if config.muon_cautious_weight_decay:
-        decay = lr * wd * p * ((update * p) >= 0)
+        product = update * p
+        own = product >= 0
+        mask = own if mask is None else mask.to(torch.bool)
+        flipped = own != mask
+        peak = float(product.abs().max().clamp_min(1e-30))
+        state["cautious"] = (int(flipped.sum()), own.numel(),
+                             float(product[flipped].abs().max()) / peak if flipped.any() else 0.0)
+        decay = lr * wd * p * mask
         p.sub_(decay + lr * update)
     else:
         p.mul_(1 - lr * wd).add_(update, alpha=-lr)
@@ -328,8 +341,10 @@ class ReferenceMuon:
         return torch.zeros_like(p) if g is None else g.detach().float().clone()
 
     @torch.no_grad()
-    def step(self, lr: Optional[float] = None) -> float:
-        """One optimizer step from the current grads; returns the grad norm before clipping."""
+    def step(self, lr: Optional[float] = None, cautious_masks: Optional[Dict[str, torch.Tensor]] = None) -> float:
+        """One optimizer step from the current grads; returns the grad norm before clipping.
+        ``cautious_masks``: param key -> the cautious weight decay mask to apply (see
+        :func:`muon_update`)."""
         lr = self.lr if lr is None else lr
         grads = {k: self._grad(p) for k, p in self.params.items()}
         norm = float(torch.stack([g.pow(2).sum() for g in grads.values()]).sum().sqrt())
@@ -343,6 +358,7 @@ class ReferenceMuon:
             if self.matrices[key] is None:
                 adamw_update(p.data, grads[key], self.state[key], lr, wd, self.config)
             else:
-                muon_update(p.data, grads[key], self.state[key], lr, wd, self.matrices[key], self.config)
+                mask = (cautious_masks or {}).get(key)
+                muon_update(p.data, grads[key], self.state[key], lr, wd, self.matrices[key], self.config, mask)
         muon_clip_(self.attention, self.tconfig)
         return norm

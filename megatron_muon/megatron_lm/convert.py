@@ -29,7 +29,6 @@ that loads such a checkpoint starts them at zero, as a fresh run does.
 from __future__ import annotations
 
 import copy
-import fnmatch
 import os
 import re
 import shutil
@@ -40,10 +39,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from .checkpoint import _READ_ERRORS, FORMAT, CheckpointError
-from .integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
+from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, STATE_PREFIX, CheckpointError
+from megatron_muon.checkpoint import state_key as _state_key
+from megatron_muon.matrices import is_muon_matrix
+from megatron_muon.state import MOMENTUM, MUON_STATES
+from megatron_muon.integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
 
-STATE_PREFIX = "optimizer.state."
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 
 
@@ -230,29 +231,24 @@ def _retarget_args(ckpt: Checkpoint, optimizer: str) -> None:
         ckpt.common["args"] = args
 
 
-def _state_key(state: str, model_key: str) -> str:
-    return f"{STATE_PREFIX}{state}.{model_key}"
-
-
 def model_keys(ckpt: Checkpoint) -> List[str]:
     """Model tensor keys that have an fp32 master in the optimizer state."""
     prefix = _state_key("param", "")
     return sorted(k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix))
 
 
-_LINEAR = re.compile(r"(^|\.)(linear_\w+\.weight\d*|weight[12])$")
+_LINEAR_WEIGHT = re.compile(r"(^|\.)(linear_\w+\.weight\d*|weight[12]|router\.weight)$")
+"""Keys of the weight matrices of Megatron's GPT layers (linear layers, grouped and legacy
+fused experts, the router). A checkpoint stacks layers and experts into extra dims, so a
+key's tensor rank does not say whether each parameter is a matrix; its name does."""
 
 
 def is_muon_key(key: str, exclude: Iterable[str] = (), router: bool = False) -> bool:
-    """Which model keys Muon optimizes, by name (no model at hand): weights of the linear
-    layers (``linear_*.weight``, grouped ``weight<i>``, legacy fused ``weight1/2``), the
-    router only if ``router``; never embeddings or the output layer. This mirrors
-    ``megatron_muon.matrices.is_muon_param`` for Megatron's GPT layer names."""
-    if any(fnmatch.fnmatch(key, p) for p in exclude):
-        return False
-    if key.endswith("router.weight"):
-        return router
-    return bool(_LINEAR.search(key)) and "embedding" not in key and not key.startswith("output_layer")
+    """Which model tensors Muon optimizes, from their checkpoint key (no model at hand):
+    ``matrices.is_muon_matrix`` with the rank and role read off Megatron's GPT names."""
+    role = ("embedding" if "embedding" in key or key.startswith("output_layer")
+            else "router" if key.endswith("router.weight") else "weight")
+    return is_muon_matrix(key, 2 if _LINEAR_WEIGHT.search(key) else 1, role, tuple(exclude), router)
 
 
 def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[str] = (), router: bool = False,
@@ -282,7 +278,7 @@ def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[
             continue
         exp_avg = ckpt.tensors.pop(_state_key("exp_avg", key))
         ckpt.tensors.pop(_state_key("exp_avg_sq", key))
-        ckpt.tensors[_state_key("momentum_buffer", key)] = exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
+        ckpt.tensors[_state_key(MOMENTUM, key)] = exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
         converted += 1
     ckpt.common["optimizer"] = {
         "format": FORMAT,
@@ -312,8 +308,8 @@ def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9,
                               "an AdamW checkpoint converts to Muon with adam-to-muon.")
     converted = 0
     for key in model_keys(ckpt):
-        m = ckpt.tensors.pop(_state_key("momentum_buffer", key), None)
-        ckpt.tensors.pop(_state_key("second_moment", key), None)  # variance reduction's: AdamW has none
+        states = {s.name: ckpt.tensors.pop(_state_key(s.name, key), None) for s in MUON_STATES}
+        m = states[MOMENTUM]
         if m is None:
             continue
         ckpt.tensors[_state_key("exp_avg", key)] = (1 - beta1) * m if exp_avg == "momentum" else torch.zeros_like(m)

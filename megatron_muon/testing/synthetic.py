@@ -15,11 +15,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .config import MuonConfig
-from .dp_ranges import dp_ranges_in_layout
-from .matrices import MuonParam, ParamContext, logical_matrices
-from .planner import OrthoGroup, Plan, build_plan
-from .split_newton_schulz import SplitCost
+from megatron_muon.config import MuonConfig
+from megatron_muon.matrices import MuonParam, ParamContext, logical_matrices
+from megatron_muon.planner import Plan, plan_for_config
+from megatron_muon.process_groups import OrthoGroup
+from megatron_muon.shard_map import dp_ranges_in_layout
 
 
 class ShapeOnlyLinear(torch.nn.Module):
@@ -73,20 +73,10 @@ def synthetic_plan(
         muon_params.append(MuonParam(0, spec.name, param, logical_matrices(ctx)))
     ranges = _dp_ranges(params, dp_size)
     coords = [(t, r) for r in range(dp_size) for t in range(tp_size)]
-    group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=tp_size, dp_size=dp_size)
-    return build_plan(
-        muon_params,
-        {i: ranges[i] for i in range(len(params))},
-        group,
-        config.muon_tp_mode,
-        config.muon_num_ns_steps,
-        config.muon_chunk_numel,
-        ns_method=config.muon_ns_method,
-        split_max_ranks=config.muon_split_ns_max_ranks,
-        # One node holds the group's ranks up to gpus_per_node (default: all).
-        split_cost=SplitCost(config.muon_split_ns_intra_flops_per_byte, config.muon_split_ns_inter_flops_per_byte,
-                             lambda r: r // gpus_per_node if gpus_per_node else 0),
-    )
+    nodes = tuple(r // gpus_per_node for r in range(len(coords))) if gpus_per_node else ()
+    group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=tp_size, dp_size=dp_size,
+                       nodes=nodes)
+    return plan_for_config(config, muon_params, {i: ranges[i] for i in range(len(params))}, group)
 
 
 def moe_expert_layer_shapes(
@@ -106,7 +96,7 @@ def moe_expert_layer_shapes(
 def deepseek_v3_expert_plan(edp_size: int = 1, etp_size: int = 1, ep_size: int = 64, **cfg) -> Dict[str, object]:
     """Plan statistics of one DeepSeek-V3 MoE layer's routed experts (256 experts, hidden
     7168, expert ffn 2048, SwiGLU) on ``ep_size`` expert-parallel ranks."""
-    from .planner import plan_statistics
+    from megatron_muon.planner import plan_statistics
 
     config = MuonConfig(lr=1e-3, **cfg)
     model_config = SimpleNamespace(gated_linear_unit=True, hidden_size=7168)

@@ -1,0 +1,343 @@
+"""Muon's optimizer state: one registry of what it keeps, and where it is stored.
+
+**The registry** (:data:`MUON_STATES`): every per-matrix state of a Muon parameter, declared
+once. Checkpoints (``checkpoint.py``), the converter and tests iterate it; the step's maths
+(``pipeline.py``) reads and writes the values. A state is kept either
+
+* per **shard** (``kept="shard"``): each holder keeps the elements of its fp32 master's
+  range, a tensor shaped like the master (the momentum), in the inner optimizer's
+  ``state[master][name]``; or
+* per **matrix** on its owner (``kept="owner"``): one tensor per logical matrix, of the
+  registry's ``shape(rows, cols)`` in logical ``(out, in)`` orientation, broadcastable to
+  the matrix (variance reduction's factored second moment: a column or a row). A checkpoint
+  stores it expanded to the parameter's shape, so it reshards with everything else.
+
+AdamW's states (:data:`ADAM_STATES`) are Megatron's torch AdamW's.
+
+**Storage.** :class:`ShardStates` holds the shard-kept states on the compute device, or,
+with ``muon_cpu_offload``, in flat CPU pools (pinned with CUDA) of which
+``state[master][name]`` is a view. The step asks for each chunk's ranges (:meth:`fetch`) and
+hands them back (:meth:`release`): on the device that is a view and nothing; offloaded it
+is a device staging buffer, written back to the pool and refilled with the next chunk's
+ranges on a side stream while the compute stream orthogonalizes::
+
+    side stream:    H2D(0) | D2H(0) H2D(1) | D2H(1) H2D(2) | ...
+    compute stream:        update(0) ......| update(1) ....| ...
+
+so the maths is the same code whatever the storage. :class:`OwnerStates` holds the
+owner-kept states (on the CPU with offload). :class:`OffloadedMasters` moves the fp32
+masters of the Muon matrices to a CPU pool (``muon_cpu_offload`` with Megatron's
+``optimizer_cpu_offload``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .planner import ChunkMessages, Job
+
+
+@dataclass(frozen=True)
+class MatrixState:
+    """One per-matrix optimizer state of the Muon parameters."""
+
+    name: str
+    """Key in ``optimizer.state[master]`` and in checkpoints (``optimizer.state.<name>.<param key>``)."""
+    kept: str
+    """'shard' (each holder keeps its master's range) or 'owner' (one tensor per logical
+    matrix, on the rank that orthogonalizes it)."""
+    enabled: Callable[[object], bool]
+    """Whether a ``MuonConfig`` uses this state."""
+    shape: Optional[Callable[[int, int], Tuple[int, int]]] = None
+    """'owner' states: the tensor's shape for an ``(out, in)`` logical matrix,
+    broadcastable to it."""
+
+
+def factored_shape(out_features: int, in_features: int) -> Tuple[int, int]:
+    """One value per row of a tall or square matrix, per column of a wide one."""
+    return (out_features, 1) if out_features >= in_features else (1, in_features)
+
+
+MOMENTUM = "momentum_buffer"
+SECOND_MOMENT = "second_moment"
+
+MUON_STATES: Tuple[MatrixState, ...] = (
+    MatrixState(MOMENTUM, "shard", lambda config: True),
+    MatrixState(SECOND_MOMENT, "owner", lambda config: config.muon_variance_reduction is not None, factored_shape),
+)
+ADAM_STATES: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+
+
+def muon_states(config, kept: Optional[str] = None) -> List[MatrixState]:
+    """The registry's states ``config`` uses (only those ``kept`` so, if given)."""
+    return [s for s in MUON_STATES if s.enabled(config) and (kept is None or s.kept == kept)]
+
+
+# ---------------------------------------------------------------------------------------
+# Shard-kept states: device tensors or CPU pools, chunk by chunk
+# ---------------------------------------------------------------------------------------
+
+
+class ShardStates:
+    """The shard-kept Muon states of one optimizer's fp32 masters."""
+
+    def __init__(
+        self,
+        names: Sequence[str],
+        masters: Sequence[Optional[torch.Tensor]],
+        state: Dict[torch.Tensor, dict],
+        messages: Sequence[ChunkMessages],
+        offload: bool,
+        device: Optional[torch.device],
+    ) -> None:
+        """``masters[p]``: this rank's fp32 master of Muon param ``p`` (None: holds none);
+        ``state``: the inner optimizer's state dict; ``messages``: the plan's chunks for this
+        rank (which ranges each chunk advances)."""
+        self.names = list(names)
+        self.masters = list(masters)
+        self.state = state
+        self.messages = list(messages)
+        self.device = device if device is not None else torch.device("cpu")
+        self.offload = offload
+        self.pools: Dict[str, torch.Tensor] = {}
+        """name -> every master's values, master after master (CPU; offload only)."""
+        self.views: Dict[str, List[Optional[torch.Tensor]]] = {}
+        self._offsets: List[List[int]] = []
+        self.staging: Dict[str, torch.Tensor] = {}
+        self.peak_device_bytes = 0
+        """Largest offloaded-state bytes on the device during the last step (the staging)."""
+        if offload:
+            sizes = [m.numel() if m is not None else 0 for m in self.masters]
+            pin = torch.cuda.is_available()
+            for name in self.names:
+                self.pools[name] = torch.zeros(sum(sizes), dtype=torch.float32, pin_memory=pin)
+                views, offset = [], 0
+                for master, size in zip(self.masters, sizes):
+                    views.append(self.pools[name][offset : offset + size] if master is not None else None)
+                    offset += size
+                self.views[name] = views
+            for msg in self.messages:
+                offsets, numel = [], 0
+                for _, s, e in msg.momentum:
+                    offsets.append(numel)
+                    numel += e - s
+                self._offsets.append(offsets + [numel])
+        self.stream = torch.cuda.Stream(device=self.device) if offload and self.device.type == "cuda" else None
+        self._fetched: Dict[int, Optional[torch.cuda.Event]] = {}
+        self.adopt()
+
+    def adopt(self) -> None:
+        """Every held master has its states (zeros at first, ``step`` 0); offloaded, each
+        ``state[master][name]`` is the pool view, holding whatever was put there meanwhile
+        (a loaded checkpoint)."""
+        for p, master in enumerate(self.masters):
+            if master is None:
+                continue
+            st = self.state[master]
+            for name in self.names:
+                current = st.get(name)
+                if self.offload:
+                    view = self.views[name][p]
+                    if current is not None and current.data_ptr() != view.data_ptr():
+                        view.copy_(current.reshape(-1))
+                    st[name] = view
+                elif current is None:
+                    st[name] = torch.zeros_like(master, dtype=torch.float32)
+            st.setdefault("step", torch.tensor(0.0))
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.pools.values())
+
+    @property
+    def device_bytes(self) -> int:
+        """Offloaded-state bytes on the compute device now (0 between steps)."""
+        return sum(t.numel() * t.element_size() for t in self.staging.values())
+
+    def begin(self) -> None:
+        """Start a step: advance every held master's step count; offloaded, allocate the
+        staging buffers and start fetching the first chunk."""
+        if self.offload:
+            self.adopt()  # a checkpoint loaded meanwhile put its tensors in the state
+        steps = [self.state[m]["step"] for m in self.masters if m is not None]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        if not self.offload:
+            return
+        numel = max((o[-1] for o in self._offsets), default=0)
+        self.staging = {n: torch.empty(numel, dtype=torch.float32, device=self.device) for n in self.names}
+        self.peak_device_bytes = self.device_bytes
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._fetch(0)
+
+    def fetch(self, msg: ChunkMessages) -> Dict[str, List[torch.Tensor]]:
+        """name -> the device tensors of ``msg.momentum``'s ranges, in that order (views of
+        the state, or of the staging buffer once its fetch arrived)."""
+        if not self.offload:
+            return {n: [self.state[self.masters[p]][n][s:e] for p, s, e in msg.momentum] for n in self.names}
+        event = self._fetched.pop(msg.index, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        offsets = self._offsets[msg.index]
+        return {n: [self.staging[n][offsets[i]:offsets[i + 1]] for i in range(len(msg.momentum))] for n in self.names}
+
+    def release(self, msg: ChunkMessages) -> None:
+        """The step is done with ``msg``'s ranges: offloaded, write them back to the pool and
+        fetch the next chunk's into the same staging buffer (stream order keeps them apart)."""
+        if not self.offload:
+            return
+        updated = self._record()
+        with self._side():
+            if updated is not None:
+                self.stream.wait_event(updated)
+            self._copy(msg.index, to_pool=True)
+        self._fetch(msg.index + 1)
+
+    def finish(self) -> None:
+        """End the step: wait for the last write-back and free the staging buffers."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.staging = {}
+        self._fetched.clear()
+
+    def _fetch(self, index: int) -> None:
+        if index >= len(self.messages):
+            return
+        with self._side():
+            self._copy(index, to_pool=False)
+            self._fetched[index] = self._record()
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
+
+    def _copy(self, index: int, to_pool: bool) -> None:
+        offsets = self._offsets[index]
+        for name in self.names:
+            staging, views = self.staging[name], self.views[name]
+            for i, (p, s, e) in enumerate(self.messages[index].momentum):
+                pool, dev = views[p][s:e], staging[offsets[i]:offsets[i + 1]]
+                (pool if to_pool else dev).copy_(dev if to_pool else pool, non_blocking=True)
+
+    def _side(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+
+    def _record(self) -> Optional[torch.cuda.Event]:
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+# ---------------------------------------------------------------------------------------
+# Owner-kept states: one tensor per logical matrix
+# ---------------------------------------------------------------------------------------
+
+MatrixKey = Tuple[int, int]
+"""(job index, column group): one logical matrix of the plan."""
+
+
+def logical(matrix: torch.Tensor, job: Job) -> torch.Tensor:
+    """A storage-orientation matrix (or stack) seen in logical ``(out, in)`` orientation."""
+    return matrix.mT if job.matrix.transposed else matrix
+
+
+class OwnerStates:
+    """The owner-kept Muon states of the logical matrices this rank orthogonalizes."""
+
+    def __init__(self, states: Sequence[MatrixState], storage: Optional[torch.device]) -> None:
+        """``storage``: where the states live between steps (the CPU with offload)."""
+        self.states = {s.name: s for s in states}
+        self.storage = storage
+        self.values: Dict[str, Dict[MatrixKey, torch.Tensor]] = {name: {} for name in self.states}
+        """name -> (job index, column group) -> fp32 tensor (logical orientation)."""
+
+    def get(self, name: str, job: Job, group: int) -> torch.Tensor:
+        """The state of one logical matrix (zeros at first)."""
+        key = (job.index, group)
+        values = self.values[name]
+        if key not in values:
+            values[key] = torch.zeros(self.states[name].shape(*job.matrix.scale_shape), dtype=torch.float32,
+                                      device=self.storage)
+        return values[key]
+
+    def clear(self) -> None:
+        for values in self.values.values():
+            values.clear()
+
+    def expanded(self, name: str, job: Job, device: Optional[torch.device]) -> List[torch.Tensor]:
+        """Per column group of ``job``: its state broadcast to the whole matrix (storage
+        orientation, fp32): what a checkpoint stores, in parameter coordinates."""
+        rows, cols = job.matrix.ns_shape
+        shape = (cols, rows) if job.matrix.transposed else (rows, cols)
+        out = []
+        for k in range(job.matrix.column_groups):
+            full = self.get(name, job, k).to(device).expand(shape)
+            out.append((full.mT if job.matrix.transposed else full).contiguous())
+        return out
+
+    def set_from_expanded(self, name: str, job: Job, matrices: List[torch.Tensor]) -> None:
+        """Inverse of :meth:`expanded`: the state read off the first rows / columns it was
+        broadcast along (exact: no averaging of the identical copies)."""
+        for k, matrix in enumerate(matrices):
+            rows, cols = self.states[name].shape(*job.matrix.scale_shape)
+            self.get(name, job, k).copy_(logical(matrix, job)[:rows, :cols])
+
+
+# ---------------------------------------------------------------------------------------
+# fp32 masters of the Muon matrices in a CPU pool
+# ---------------------------------------------------------------------------------------
+
+
+class OffloadedMasters:
+    """The fp32 master shards of the Muon matrices, held in one CPU pool (pinned where
+    CUDA is available).
+
+    Megatron's code knows a master by its ``torch.nn.Parameter`` object (optimizer
+    groups, state keys, grad norm, clipping), so each master stays that object and only
+    its ``.data`` moves: it is the pool view, and every read and write of master values
+    (weight decay, the update, QK-Clip, the master -> model copy, checkpoints) happens on
+    the CPU. The one exception is Megatron's ``_copy_model_grads_to_main_grads``: torch
+    lets a parameter take a ``.grad`` only on its own device, so for that call (see
+    :meth:`grads_assignable`) ``.data`` becomes a zero-stride device placeholder (one
+    element shared by all masters; a write to it raises). The gradients themselves stay
+    on the device, where Megatron's norm, clipping and zero counting read them.
+
+    Only masters of bf16/fp16 parameters are offloaded: an fp32 parameter's master is a
+    view of the parameter itself."""
+
+    def __init__(self, masters: Sequence[torch.Tensor], device: Optional[torch.device]) -> None:
+        self.masters = list(masters)
+        self.pool = torch.empty(sum(m.numel() for m in self.masters), dtype=torch.float32,
+                                pin_memory=torch.cuda.is_available())
+        self.views: List[torch.Tensor] = []
+        offset = 0
+        for master in self.masters:
+            view = self.pool[offset : offset + master.numel()]
+            view.copy_(master.detach().reshape(-1))
+            master.data = view  # the device copy Megatron allocated is freed here
+            self.views.append(view)
+            offset += master.numel()
+        self._placeholder = torch.zeros(1, dtype=torch.float32, device=device)
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def in_pool(self) -> bool:
+        """Whether every master's values are its pool view now (between and during steps)."""
+        return all(m.data_ptr() == v.data_ptr() for m, v in zip(self.masters, self.views))
+
+    @contextmanager
+    def grads_assignable(self) -> Iterator[None]:
+        """Masters on the device placeholder, so that Megatron can set device ``.grad``s."""
+        for master in self.masters:
+            master.data = self._placeholder.expand(master.numel())
+        try:
+            yield
+        finally:
+            for master, view in zip(self.masters, self.views):
+                master.data = view
