@@ -23,12 +23,15 @@ setup(
             "megatron-muon-pretrain = megatron_muon.megatron_lm.launch:console_main",
         ]
     },
-    data_files=[("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml"))),
-                # Megatron-LM-style scripts live in tools/; the console script runs this one.
-                ("share/megatron_muon/tools", ["tools/pretrain_gpt.py"])],
+    data_files=[
+        ("share/megatron_muon/recipes", sorted(glob.glob("recipes/*.yaml"))),
+        # Megatron-LM-style scripts live in tools/; the console script runs this one.
+        ("share/megatron_muon/tools", ["tools/pretrain_gpt.py"]),
+    ],
     extras_require={
-        # matplotlib: the suite also renders the benchmark plots (tools/bench/plots.py).
-        "test": ["pytest", "pytest-timeout", "matplotlib"],
+        # matplotlib: the suite also renders the benchmark plots (tools/bench/plots.py);
+        # ruff: the formatter and linter .ci/run applies (pinned: its output is checked).
+        "test": ["pytest", "pytest-timeout", "matplotlib", "ruff==0.17.6"],
         "bench": ["matplotlib", "emerging-optimizers==0.3.0"],
         # Megatron-core's own Muon (used only by comparison tests and benchmarks).
         "peer": ["emerging-optimizers==0.3.0"],

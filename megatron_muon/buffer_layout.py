@@ -110,9 +110,16 @@ def owner_aligned_param_layout(
     tag_muon_params(flops)
     params = [p for p in model_chunk.parameters() if p.requires_grad]
     return compute_full_param_layout(
-        params, flops, bucket_size, dp_size, ddp_config, edp_size,
-        shards_per_node=(max(1, gpus_per_node // (tp_size * groups.cp_size)),
-                         max(1, gpus_per_node // (etp_size * groups.ep_size))),
+        params,
+        flops,
+        bucket_size,
+        dp_size,
+        ddp_config,
+        edp_size,
+        shards_per_node=(
+            max(1, gpus_per_node // (tp_size * groups.cp_size)),
+            max(1, gpus_per_node // (etp_size * groups.ep_size)),
+        ),
     )
 
 
@@ -120,8 +127,7 @@ def muon_param_flops(muon_param, ns_steps: int, ns_method: str = "standard") -> 
     """Newton–Schulz FLOPs of all logical matrices of one parameter (full shapes), counted
     for the iteration ``ns_method`` runs on each (as the planner counts them)."""
     return sum(
-        newton_schulz_flops(*m.ns_shape, ns_steps, batch=m.column_groups, method=ns_method)
-        for m in muon_param.matrices
+        newton_schulz_flops(*m.ns_shape, ns_steps, batch=m.column_groups, method=ns_method) for m in muon_param.matrices
     )
 
 
@@ -150,7 +156,12 @@ def compute_full_param_layout(
             dp = expert_data_parallel_world_size
         if key.is_managed_by_layer_wise_optimizer:
             layouts[key] = owner_aligned_buffer_layout(
-                group_params, lambda p: flops.get(p, 0), bucket_size, dp, ddp_config, param_indices,
+                group_params,
+                lambda p: flops.get(p, 0),
+                bucket_size,
+                dp,
+                ddp_config,
+                param_indices,
                 shards_per_node[1 if key.is_expert_parallel else 0],
             )
         else:
@@ -213,7 +224,10 @@ def owner_aligned_buffer_layout(
 
 
 def _pack_bucket(
-    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, divisor: int,
+    params: List[torch.nn.Parameter],
+    cost: Callable[[torch.nn.Parameter], int],
+    dp: int,
+    divisor: int,
     shards_per_node: int = 1,
     loads: Optional[List[int]] = None,
 ) -> Tuple[int, Dict[torch.nn.Parameter, int]]:
@@ -248,7 +262,10 @@ def _pack_bucket(
 
 
 def _try_pack(
-    params: List[torch.nn.Parameter], cost: Callable[[torch.nn.Parameter], int], dp: int, capacity: int,
+    params: List[torch.nn.Parameter],
+    cost: Callable[[torch.nn.Parameter], int],
+    dp: int,
+    capacity: int,
     shards_per_node: int = 1,
     initial_loads: Optional[List[int]] = None,
 ) -> Optional[Dict[torch.nn.Parameter, int]]:

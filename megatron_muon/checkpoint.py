@@ -57,7 +57,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used, with the reason and the fix."""
 
 
-__all__ = ["CheckpointError", "CheckpointIntegrityError", "save_checkpoint", "load_checkpoint", "resolve_checkpoint_dir"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointIntegrityError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "resolve_checkpoint_dir",
+]
 
 
 # ---------------------------------------------------------------------------------------

@@ -183,9 +183,7 @@ class MuonConfig(OptimizerConfig):
     """``fnmatch`` patterns of parameter names that go to the scalar optimizer although
     they are matrices (e.g. ``('*.linear_proj.weight',)``)."""
 
-    muon_param_filter: Optional[Callable[[str, torch.nn.Parameter], bool]] = field(
-        default=None, compare=False
-    )
+    muon_param_filter: Optional[Callable[[str, torch.nn.Parameter], bool]] = field(default=None, compare=False)
     """Optional predicate ``(name, param) -> bool`` that overrides the default choice of
     Muon matrices entirely."""
 
@@ -279,7 +277,9 @@ def config_problems(cfg: MuonConfig):
             yield f"{name}={value!r} is invalid; use a number in [0, 1)."
     for name in ("muon_ns_dtype", "muon_comm_dtype"):
         value = getattr(cfg, name)
-        if value not in (torch.bfloat16, torch.float32, torch.float16) and not (name == "muon_comm_dtype" and value is None):
+        if value not in (torch.bfloat16, torch.float32, torch.float16) and not (
+            name == "muon_comm_dtype" and value is None
+        ):
             yield f"{name}={value!r} is not supported; use torch.bfloat16, torch.float32 or torch.float16" + (
                 " (or None = muon_ns_dtype)." if name == "muon_comm_dtype" else "."
             )
@@ -295,12 +295,16 @@ def config_problems(cfg: MuonConfig):
             "fnmatch patterns, e.g. ('*.linear_proj.weight',)."
         )
     if cfg.optimizer_cpu_offload and not cfg.muon_cpu_offload:
-        yield ("optimizer_cpu_offload=True needs muon_cpu_offload=True (--muon-cpu-offload): megatron_muon "
-               "offloads the Muon matrices' momentum and fp32 masters together.")
+        yield (
+            "optimizer_cpu_offload=True needs muon_cpu_offload=True (--muon-cpu-offload): megatron_muon "
+            "offloads the Muon matrices' momentum and fp32 masters together."
+        )
     if cfg.optimizer_cpu_offload and cfg.optimizer_offload_fraction != 1.0:
-        yield (f"optimizer_offload_fraction={cfg.optimizer_offload_fraction!r} is not supported with "
-               "optimizer_cpu_offload: megatron_muon offloads the masters of every Muon matrix, not a "
-               "fraction; set 1.0 (--optimizer-offload-fraction 1.0).")
+        yield (
+            f"optimizer_offload_fraction={cfg.optimizer_offload_fraction!r} is not supported with "
+            "optimizer_cpu_offload: megatron_muon offloads the masters of every Muon matrix, not a "
+            "fraction; set 1.0 (--optimizer-offload-fraction 1.0)."
+        )
     if cfg.muon_param_filter is not None and not callable(cfg.muon_param_filter):
         yield f"muon_param_filter={cfg.muon_param_filter!r} is not callable; use a function (name, param) -> bool."
 

@@ -239,7 +239,11 @@ def _check_file(checkpoint_dir: str, name: str, manifest: dict) -> Optional[str]
     if sha == manifest["files"][name]:
         return None
     changed = [label for (_, _, crc, label), now in zip(recorded, crcs) if crc != now]
-    where = f" in {', '.join(changed[:3])}" + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") if changed else ""
+    where = (
+        f" in {', '.join(changed[:3])}" + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        if changed
+        else ""
+    )
     return f"{name}: contents changed (sha256 mismatch){where}"
 
 

@@ -493,21 +493,25 @@ def is_muon_param(name: str, param: torch.nn.Parameter, module: torch.nn.Module,
 
     if config.muon_param_filter is not None:
         return bool(config.muon_param_filter(name, param))
-    embedding = (getattr(param, "is_embedding_or_output_parameter", False) or isinstance(module, torch.nn.Embedding)
-                 or type(module).__name__.endswith("Embedding"))
+    embedding = (
+        getattr(param, "is_embedding_or_output_parameter", False)
+        or isinstance(module, torch.nn.Embedding)
+        or type(module).__name__.endswith("Embedding")
+    )
     role = "embedding" if embedding else "router" if isinstance(module, Router) else "weight"
-    return is_muon_matrix(name, param.dim(), role, config.muon_exclude_patterns,
-                          config.muon_router_optimizer == "muon")
+    return is_muon_matrix(name, param.dim(), role, config.muon_exclude_patterns, config.muon_router_optimizer == "muon")
 
 
-def _module_index(model: torch.nn.Module) -> Dict[str, Tuple[torch.nn.Module, str, Optional[torch.nn.Module], Optional[str]]]:
+def _module_index(
+    model: torch.nn.Module,
+) -> Dict[str, Tuple[torch.nn.Module, str, Optional[torch.nn.Module], Optional[str]]]:
     """name -> (owning module, attr, parent of owning module, owning module's attr in parent)."""
     modules = dict(model.named_modules())
     index = {}
     for mod_name, module in modules.items():
         parent_name, _, parent_attr = mod_name.rpartition(".")
         parent = modules.get(parent_name) if mod_name else None
-        for attr, param in module.named_parameters(recurse=False):
+        for attr, _ in module.named_parameters(recurse=False):
             full = f"{mod_name}.{attr}" if mod_name else attr
             index[full] = (module, attr, parent, parent_attr if mod_name else None)
     return index
@@ -538,9 +542,7 @@ def _check_tiling(layout_name: str, ctx: ParamContext, matrices: List[LogicalMat
     """Every element of every TP rank's storage belongs to exactly one logical matrix."""
     numel = ctx.param.numel()
     for t in range(ctx.tp_size):
-        blocks = sorted(
-            (b for m in matrices for tt, bs in m.pieces if tt == t for b in bs), key=lambda b: b.offset
-        )
+        blocks = sorted((b for m in matrices for tt, bs in m.pieces if tt == t for b in bs), key=lambda b: b.offset)
         end = 0
         for b in blocks:
             if b.offset != end:

@@ -124,13 +124,15 @@ class MultirankCost:
         one_node = len({group.node_of(r) for r in members}) == 1
         return self.intra_flops_per_byte if one_node else self.inter_flops_per_byte
 
-    def flops(self, rows: int, cols: int, steps: int, members: Sequence[int], group, elem_bytes: int,
-              batch: int = 1) -> float:
+    def flops(
+        self, rows: int, cols: int, steps: int, members: Sequence[int], group, elem_bytes: int, batch: int = 1
+    ) -> float:
         """Member FLOPs plus the FLOP-equivalent of the leader's blocking bytes (its scatter
         of the blocks and its share of the all-reduces), at the link class of ``members``."""
         nbytes = multirank_traffic(rows, cols, steps, len(members), elem_bytes, batch)
-        return (member_flops(rows, cols, steps, len(members), batch)
-                + self.per_byte(members, group) * (nbytes["scatter"] + nbytes["all_reduce"]))
+        return member_flops(rows, cols, steps, len(members), batch) + self.per_byte(members, group) * (
+            nbytes["scatter"] + nbytes["all_reduce"]
+        )
 
     def rank_flops(self, jobs: Sequence, loads: Sequence[int], steps: int, group, elem_bytes: int = 2) -> List[float]:
         """Each rank's NS FLOPs ``loads`` plus the FLOP-equivalent of the blocking bytes it
@@ -149,8 +151,13 @@ class MultirankCost:
 
 
 def place_multirank_jobs(
-    jobs: Sequence, group, max_ranks: int, steps: int, owner_aligned: bool = False,
-    cost: Optional[MultirankCost] = None, elem_bytes: int = 2,
+    jobs: Sequence,
+    group,
+    max_ranks: int,
+    steps: int,
+    owner_aligned: bool = False,
+    cost: Optional[MultirankCost] = None,
+    elem_bytes: int = 2,
 ) -> List[int]:
     """Spread the jobs that alone exceed a rank's mean Newton–Schulz load over several
     ranks; return the loads.
@@ -211,9 +218,15 @@ def place_multirank_jobs(
 
 
 def multirank_newton_schulz(
-    G: Optional[torch.Tensor], shape: Tuple[int, int], group: dist.ProcessGroup, members: Sequence[int],
-    leader: int, schedule: Sequence[Tuple[float, float, float]], ns_dtype: torch.dtype,
-    device: Optional[torch.device], eps: float = 1e-7,
+    G: Optional[torch.Tensor],
+    shape: Tuple[int, int],
+    group: dist.ProcessGroup,
+    members: Sequence[int],
+    leader: int,
+    schedule: Sequence[Tuple[float, float, float]],
+    ns_dtype: torch.dtype,
+    device: Optional[torch.device],
+    eps: float = 1e-7,
 ) -> Optional[torch.Tensor]:
     """Newton–Schulz of one ``shape`` matrix by the ranks ``members`` (sorted group ranks;
     ``group``: their process group) with the ``(a, b, c)`` ``schedule``. ``G``: the matrix

@@ -27,7 +27,9 @@ class NonFiniteGradientError(RuntimeError):
     """Training cannot continue: gradients stayed non-finite for too many steps."""
 
 
-def non_finite_flag(grads: List[torch.Tensor], inv_scale: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+def non_finite_flag(
+    grads: List[torch.Tensor], inv_scale: torch.Tensor, group: Optional[dist.ProcessGroup]
+) -> torch.Tensor:
     """Unscale ``grads`` in place by ``inv_scale`` and return a 1-element flag, > 0 when any
     element of any rank's ``grads`` is inf or NaN (all-reduced MAX over ``group``)."""
     device = grads[0].device if grads else inv_scale.device

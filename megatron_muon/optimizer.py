@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -129,8 +129,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         self.owner_aligned = owner_aligned
         """DDP was built with ``owner_aligned_param_layout``: owners stay at the DP index holding each matrix."""
         super().__init__(
-            optimizer, config, grad_scaler, init_state, model_chunks, per_model_buffers,
-            data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx, 0,
+            optimizer,
+            config,
+            grad_scaler,
+            init_state,
+            model_chunks,
+            per_model_buffers,
+            data_parallel_group,
+            data_parallel_group_gloo,
+            data_parallel_group_idx,
+            0,
         )
         self.muon_params = list(muon_params)
         self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
@@ -171,8 +179,9 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         shards = [self.shard_map[mp.param] for mp in self.muon_params]
         masters = [s.master for s in shards]
         device = self.muon_params[0].param.device if self.muon_params else None
-        messages = rank_messages(self.plan, [s.start for s in shards],
-                                 [m.numel() if m is not None else None for m in masters])
+        messages = rank_messages(
+            self.plan, [s.start for s in shards], [m.numel() if m is not None else None for m in masters]
+        )
         if cfg.optimizer_cpu_offload:
             self.masters_offload = OffloadedMasters(self.float16_muon_masters(), device)
         me = self.plan.group.rank
@@ -180,10 +189,17 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             group=self.plan.group,
             messages=messages,
             masters=masters,
-            shard_states=ShardStates([s.name for s in muon_states(cfg, "shard")], masters, self.optimizer.state,
-                                     messages, cfg.muon_cpu_offload, device),
-            owner_states=OwnerStates(muon_states(cfg, "owner"),
-                                     torch.device("cpu") if cfg.muon_cpu_offload else device),
+            shard_states=ShardStates(
+                [s.name for s in muon_states(cfg, "shard")],
+                masters,
+                self.optimizer.state,
+                messages,
+                cfg.muon_cpu_offload,
+                device,
+            ),
+            owner_states=OwnerStates(
+                muon_states(cfg, "owner"), torch.device("cpu") if cfg.muon_cpu_offload else device
+            ),
             scales=[update_scale(cfg, *job.matrix.scale_shape) for job in self.plan.jobs],
             momentum=cfg.muon_momentum,
             nesterov=cfg.muon_nesterov,
@@ -197,8 +213,11 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             variance_reduction=cfg.muon_variance_reduction,
             cautious=cfg.muon_cautious_weight_decay,
             device=device,
-            subgroups={tuple(sorted(j.ns_ranks)): subgroup(self.plan.group, j.ns_ranks)
-                       for j in self.plan.jobs if me in j.ns_ranks},
+            subgroups={
+                tuple(sorted(j.ns_ranks)): subgroup(self.plan.group, j.ns_ranks)
+                for j in self.plan.jobs
+                if me in j.ns_ranks
+            },
         )
 
     def float16_muon_masters(self) -> List[torch.Tensor]:
@@ -251,7 +270,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             names.update({id(p): prefix + n for n, p in unwrap(chunk).named_parameters()})
         return local_non_finite_names(
             (names.get(id(shard.param), "<unnamed>"), shard.master.grad)
-            for shard in self.shard_map if shard.master is not None
+            for shard in self.shard_map
+            if shard.master is not None
         )
 
     def loss_scaler_can_back_off(self) -> bool:

@@ -33,10 +33,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .multirank_newton_schulz import multirank_newton_schulz
 from .newton_schulz import newton_schulz
 from .planner import ChunkMessages, Job, Piece
 from .process_groups import OrthoGroup
-from .multirank_newton_schulz import multirank_newton_schulz
 from .state import MOMENTUM, SECOND_MOMENT, OwnerStates, ShardStates
 
 
@@ -92,8 +92,11 @@ def chunk_update(
     kept.update({piece: current[piece].clone() for piece in msg.kept})
 
     # 2. Gather: every piece to the owner of its matrix.
-    send = pack([current.get(piece) if piece in current else kept[piece] for piece in msg.gather_send],
-                step.comm_dtype, step.device)
+    send = pack(
+        [current.get(piece) if piece in current else kept[piece] for piece in msg.gather_send],
+        step.comm_dtype,
+        step.device,
+    )
     step.shard_states.release(msg)
     recv, work = exchange(step.group, send, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote)
     yield
@@ -154,16 +157,23 @@ def assemble(msg: ChunkMessages, recv: torch.Tensor) -> List[List[torch.Tensor]]
     pieces: List[Dict[int, torch.Tensor]] = []
     for job in msg.owned:
         tps = sorted({s.tp for s in job.sources})
-        pieces.append({t: torch.empty(math.prod(job.matrix.piece_shape_on(t)), dtype=torch.float32,
-                                      device=recv.device) for t in tps})
+        pieces.append(
+            {
+                t: torch.empty(math.prod(job.matrix.piece_shape_on(t)), dtype=torch.float32, device=recv.device)
+                for t in tps
+            }
+        )
     for job_pos, tp, piece_offset, recv_offset, numel in msg.gather_place:
         pieces[job_pos][tp][piece_offset : piece_offset + numel] = recv[recv_offset : recv_offset + numel]
     out = []
     for job, held in zip(msg.owned, pieces):
         m = job.matrix
         groups = [held[t].view(m.piece_shape_on(t)).chunk(m.column_groups, dim=1) for t in sorted(held)]
-        out.append(list(groups[0]) if len(groups) == 1
-                   else [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)])
+        out.append(
+            list(groups[0])
+            if len(groups) == 1
+            else [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)]
+        )
     return out
 
 
@@ -181,8 +191,16 @@ def orthogonalize(step: MuonStep, msg: ChunkMessages, matrices: List[List[torch.
         i = position.get(job.index)
         for k in range(job.matrix.column_groups):
             G = matrices[i][k] if i is not None else None
-            ortho = multirank_newton_schulz(G, job.matrix.ns_shape, step.subgroups[members], members, job.ns_ranks[0],
-                                            step.schedule, step.ns_dtype, step.device)
+            ortho = multirank_newton_schulz(
+                G,
+                job.matrix.ns_shape,
+                step.subgroups[members],
+                members,
+                job.ns_ranks[0],
+                step.schedule,
+                step.ns_dtype,
+                step.device,
+            )
             if i is not None:
                 outputs[i][k] = finish_update(step, [(job, k)], ortho.unsqueeze(0))[0]
     by_shape: Dict[Tuple[int, int], List[Tuple[int, int]]] = defaultdict(list)
@@ -192,8 +210,9 @@ def orthogonalize(step: MuonStep, msg: ChunkMessages, matrices: List[List[torch.
                 by_shape[tuple(m.shape)].append((i, k))
     for members in by_shape.values():
         stack = torch.stack([matrices[i][k] for i, k in members])
-        ortho = newton_schulz(stack, step.ns_steps, step.coefficients, step.ns_dtype, compiled=step.compiled,
-                              method=step.ns_method)
+        ortho = newton_schulz(
+            stack, step.ns_steps, step.coefficients, step.ns_dtype, compiled=step.compiled, method=step.ns_method
+        )
         ortho = finish_update(step, [(msg.owned[i], k) for i, k in members], ortho)
         for row, (i, k) in enumerate(members):
             outputs[i][k] = ortho[row]
@@ -318,7 +337,9 @@ def _finish(chunk: Iterator[None]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def gather_matrices(step: MuonStep, inputs: Sequence[Optional[torch.Tensor]]) -> Iterator[Tuple[Job, List[torch.Tensor]]]:
+def gather_matrices(
+    step: MuonStep, inputs: Sequence[Optional[torch.Tensor]]
+) -> Iterator[Tuple[Job, List[torch.Tensor]]]:
     """Collective: every holder's pieces of ``inputs`` (shaped like the masters) travel to
     the owners as in the step's gather, in fp32, chunk by chunk; yields every owned
     ``(job, matrices)`` (storage orientation)."""
@@ -330,7 +351,9 @@ def gather_matrices(step: MuonStep, inputs: Sequence[Optional[torch.Tensor]]) ->
         yield from zip(msg.owned, assemble(msg, recv))
 
 
-def scatter_matrices(step: MuonStep, msg: ChunkMessages, outputs: List[List[torch.Tensor]]) -> List[Tuple[Piece, torch.Tensor]]:
+def scatter_matrices(
+    step: MuonStep, msg: ChunkMessages, outputs: List[List[torch.Tensor]]
+) -> List[Tuple[Piece, torch.Tensor]]:
     """Collective, the reverse of :func:`gather_matrices` for one chunk: the owned jobs'
     ``outputs`` (fp32, storage orientation) cut to the holders; returns this rank's pieces."""
     send = pack(cut_pieces(msg, outputs), torch.float32, step.device)
@@ -340,5 +363,12 @@ def scatter_matrices(step: MuonStep, msg: ChunkMessages, outputs: List[List[torc
     return [((p, s, e), recv[offset : offset + e - s]) for p, s, e, offset in msg.scatter_apply]
 
 
-__all__ = ["MuonStep", "chunk_update", "decay_and_update_", "drive", "gather_matrices", "scatter_matrices",
-           "variance_reduction_"]
+__all__ = [
+    "MuonStep",
+    "chunk_update",
+    "decay_and_update_",
+    "drive",
+    "gather_matrices",
+    "scatter_matrices",
+    "variance_reduction_",
+]

@@ -215,9 +215,7 @@ def assign_owners(
         return not owner_aligned or any(seg.dp == dp for seg in job.sources + job.dests)
 
     allowed = {job.index: [r for r in range(group.size) if may_own(job, r)] for job in jobs}
-    order = [
-        job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)) if job.owner < 0
-    ]
+    order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)) if job.owner < 0]
     # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
     #    at or under the mean load.
     mean = (sum(loads) + sum(job.flops for job in order)) / max(group.size, 1)
@@ -274,14 +272,24 @@ def build_plan(
 
 
 def plan_for_config(
-    config, params: Sequence[MuonParam], dp_ranges: Dict[int, Sequence[Tuple[int, int]]], group: OrthoGroup,
+    config,
+    params: Sequence[MuonParam],
+    dp_ranges: Dict[int, Sequence[Tuple[int, int]]],
+    group: OrthoGroup,
     owner_aligned: bool = False,
 ) -> Plan:
     """:func:`build_plan` with every setting from a ``MuonConfig`` (the one way the
     optimizer, the shape-only plans and the scale model build a plan)."""
     return build_plan(
-        params, dp_ranges, group, config.muon_tp_mode, config.muon_num_ns_steps, config.muon_chunk_numel,
-        owner_aligned=owner_aligned, ns_method=config.muon_ns_method, ns_max_ranks=config.muon_ns_max_ranks,
+        params,
+        dp_ranges,
+        group,
+        config.muon_tp_mode,
+        config.muon_num_ns_steps,
+        config.muon_chunk_numel,
+        owner_aligned=owner_aligned,
+        ns_method=config.muon_ns_method,
+        ns_max_ranks=config.muon_ns_max_ranks,
         cost=MultirankCost(config.muon_ns_intra_node_flops_per_byte, config.muon_ns_inter_node_flops_per_byte),
     )
 

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+
 @dataclass
 class OrthoGroup:
     """A process group with each member's (tp, dp) coordinate."""

@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+
 @dataclass
 class ClipLayer:
     """One attention layer: its recorder and the weights whose rows QK-Clip scales."""
@@ -59,7 +60,7 @@ def row_factors(layer: ClipLayer, gamma: torch.Tensor, tconfig) -> List[Tuple[to
         q_scale = gamma / k_scale.repeat_interleave(hpg)
         rows = []
         for g in range(layer.groups):
-            rows.append(q_scale[g * hpg:(g + 1) * hpg].repeat_interleave(d))
+            rows.append(q_scale[g * hpg : (g + 1) * hpg].repeat_interleave(d))
             if getattr(tconfig, "attention_output_gate", False):
                 rows.append(_ones(hpg * d, gamma))
             rows += [k_scale[g].expand(d), _ones(d, gamma)]
@@ -81,12 +82,12 @@ def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: t
         row_end = min((row + 1) * cols, end)
         if pos % cols == 0 and row_end - pos == cols:
             # A run of whole rows: one broadcast multiply.
-            last = (end // cols)
+            last = end // cols
             n = last - row
-            shard[pos - start:pos - start + n * cols].view(n, cols).mul_(factors[row:last, None])
+            shard[pos - start : pos - start + n * cols].view(n, cols).mul_(factors[row:last, None])
             pos += n * cols
         else:
-            shard[pos - start:row_end - start].mul_(factors[row])
+            shard[pos - start : row_end - start].mul_(factors[row])
             pos = row_end
 
 
@@ -114,7 +115,9 @@ class QKClip:
         from .matrices import unwrap
 
         tconfig = getattr(unwrap(model_chunks[0]), "config", None)
-        if tconfig is None or not (getattr(tconfig, "qk_clip", False) or getattr(tconfig, "log_max_attention_logit", False)):
+        if tconfig is None or not (
+            getattr(tconfig, "qk_clip", False) or getattr(tconfig, "log_max_attention_logit", False)
+        ):
             return None
         if tconfig.qk_clip and not 0.0 < tconfig.qk_clip_alpha < 1.0:
             raise ValueError(f"qk_clip_alpha must be in (0, 1), got {tconfig.qk_clip_alpha}.")
@@ -190,7 +193,7 @@ class QKClip:
         if self.clip and maxima is not None:
             offset = 0
             for layer in self.layers:
-                s = maxima[offset:offset + layer.heads]
+                s = maxima[offset : offset + layer.heads]
                 offset += layer.heads
                 gamma = torch.clamp(self.tconfig.qk_clip_threshold / s, max=1.0)
                 if bool((gamma >= 1.0).all()):

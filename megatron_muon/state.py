@@ -184,7 +184,7 @@ class ShardStates:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         offsets = self._offsets[msg.index]
-        return {n: [self.staging[n][offsets[i]:offsets[i + 1]] for i in range(len(msg.momentum))] for n in self.names}
+        return {n: [self.staging[n][offsets[i] : offsets[i + 1]] for i in range(len(msg.momentum))] for n in self.names}
 
     def release(self, msg: ChunkMessages) -> None:
         """The step is done with ``msg``'s ranges: offloaded, write them back to the pool and
@@ -218,7 +218,7 @@ class ShardStates:
         for name in self.names:
             staging, views = self.staging[name], self.views[name]
             for i, (p, s, e) in enumerate(self.messages[index].momentum):
-                pool, dev = views[p][s:e], staging[offsets[i]:offsets[i + 1]]
+                pool, dev = views[p][s:e], staging[offsets[i] : offsets[i + 1]]
                 (pool if to_pool else dev).copy_(dev if to_pool else pool, non_blocking=True)
 
     def _side(self):
@@ -260,8 +260,9 @@ class OwnerStates:
         key = (job.index, group)
         values = self.values[name]
         if key not in values:
-            values[key] = torch.zeros(self.states[name].shape(*job.matrix.scale_shape), dtype=torch.float32,
-                                      device=self.storage)
+            values[key] = torch.zeros(
+                self.states[name].shape(*job.matrix.scale_shape), dtype=torch.float32, device=self.storage
+            )
         return values[key]
 
     def clear(self) -> None:
@@ -311,8 +312,9 @@ class OffloadedMasters:
 
     def __init__(self, masters: Sequence[torch.Tensor], device: Optional[torch.device]) -> None:
         self.masters = list(masters)
-        self.pool = torch.empty(sum(m.numel() for m in self.masters), dtype=torch.float32,
-                                pin_memory=torch.cuda.is_available())
+        self.pool = torch.empty(
+            sum(m.numel() for m in self.masters), dtype=torch.float32, pin_memory=torch.cuda.is_available()
+        )
         self.views: List[torch.Tensor] = []
         offset = 0
         for master in self.masters:

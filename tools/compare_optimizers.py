@@ -65,10 +65,18 @@ SEQ_LENGTH = re.compile(r"^\s+seq_length \.+ (\d+)$", re.M)
 Points = List[Tuple[int, float]]
 
 
-def driver_command(optimizer: str, out: Path, recipe: str, nproc: int = 1, lr: Optional[float] = None,
-                   train_iters: Optional[int] = None, eval_interval: Optional[int] = None,
-                   eval_iters: Optional[int] = None, data_cache_path: Optional[str] = None,
-                   extra: Sequence[str] = ()) -> List[str]:
+def driver_command(
+    optimizer: str,
+    out: Path,
+    recipe: str,
+    nproc: int = 1,
+    lr: Optional[float] = None,
+    train_iters: Optional[int] = None,
+    eval_interval: Optional[int] = None,
+    eval_iters: Optional[int] = None,
+    data_cache_path: Optional[str] = None,
+    extra: Sequence[str] = (),
+) -> List[str]:
     """The ``pretrain_gpt.py`` command line of one run (``torchrun --standalone`` if nproc > 1)."""
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(DRIVER), "--recipe", recipe, "--optimizer", optimizer, "--log-interval", "1"]
@@ -76,8 +84,13 @@ def driver_command(optimizer: str, out: Path, recipe: str, nproc: int = 1, lr: O
         min_lr = _recipe_min_lr(recipe)
         if min_lr is not None and min_lr > lr:
             cmd += ["--min-lr", str(lr)]  # the scheduler needs lr >= min-lr
-    for flag, value in (("--lr", lr), ("--train-iters", train_iters), ("--eval-interval", eval_interval),
-                        ("--eval-iters", eval_iters), ("--data-cache-path", data_cache_path)):
+    for flag, value in (
+        ("--lr", lr),
+        ("--train-iters", train_iters),
+        ("--eval-interval", eval_interval),
+        ("--eval-iters", eval_iters),
+        ("--data-cache-path", data_cache_path),
+    ):
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + list(extra)
@@ -94,6 +107,7 @@ def _recipe_min_lr(recipe: str) -> Optional[float]:
 
 def shown(cmd: Sequence[str]) -> str:
     """A command as a user types it: ``python``/``torchrun`` and paths relative to the repository."""
+
     def short(token: str) -> str:
         if token in (sys.executable, TORCHRUN):
             return "python" if token == sys.executable else "torchrun"
@@ -101,6 +115,7 @@ def shown(cmd: Sequence[str]) -> str:
         if path.is_absolute() and path.resolve().is_relative_to(ROOT):
             return str(path.resolve().relative_to(ROOT))
         return token
+
     return shlex.join(short(t) for t in cmd)
 
 
@@ -170,8 +185,9 @@ def moving_average(values: Sequence[float], window: int) -> List[float]:
     return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
 
 
-def summarize(train: Points, valid: Points, throughput: Sequence[float], target: Optional[float],
-              peak_lr: Optional[float] = None) -> Dict:
+def summarize(
+    train: Points, valid: Points, throughput: Sequence[float], target: Optional[float], peak_lr: Optional[float] = None
+) -> Dict:
     """One run's row of the table (``target``: the validation loss to reach, AdamW's final)."""
     last = [loss for _, loss in train[-10:]]
     return {
@@ -190,21 +206,35 @@ def _fmt(value: Optional[float], spec: str = ".4f") -> str:
 
 
 def table(summaries: Dict[str, Dict], eval_interval: Optional[int]) -> str:
-    rows = ["| optimizer | peak lr | final train loss (mean of last 10) | final valid loss | best valid loss "
-            "| tokens/s (median) | iterations to reach AdamW's final valid loss |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| optimizer | peak lr | final train loss (mean of last 10) | final valid loss | best valid loss "
+        "| tokens/s (median) | iterations to reach AdamW's final valid loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for opt, s in summaries.items():
         reach = s["iters_to_adam_final_valid"]
         reach = "not reached" if reach is None else f"{reach:.0f} of {s['iterations']}"
-        cells = [LABELS[opt], _fmt(s["peak_lr"], "g"), _fmt(s["final_train_loss"]), _fmt(s["final_valid_loss"]),
-                 _fmt(s["best_valid_loss"]), _fmt(s["tokens_per_s"], ".0f"), reach]
+        cells = [
+            LABELS[opt],
+            _fmt(s["peak_lr"], "g"),
+            _fmt(s["final_train_loss"]),
+            _fmt(s["final_valid_loss"]),
+            _fmt(s["best_valid_loss"]),
+            _fmt(s["tokens_per_s"], ".0f"),
+            reach,
+        ]
         rows.append("| " + " | ".join(cells) + " |")
-    note = (f"Validation every {eval_interval} iterations" if eval_interval else "Validation at the recipe's interval")
+    note = f"Validation every {eval_interval} iterations" if eval_interval else "Validation at the recipe's interval"
     return "\n".join(rows) + f"\n\n{note}; the crossing is linearly interpolated between evaluations.\n"
 
 
-def plot(curves: Dict[str, Dict[str, Points]], path: Path, title: str, target: Optional[float] = None,
-         reach: Optional[float] = None) -> Path:
+def plot(
+    curves: Dict[str, Dict[str, Points]],
+    path: Path,
+    title: str,
+    target: Optional[float] = None,
+    reach: Optional[float] = None,
+) -> Path:
     """Training (raw, faint; moving average, solid) and validation losses of every run."""
     import matplotlib
 
@@ -222,7 +252,7 @@ def plot(curves: Dict[str, Dict[str, Points]], path: Path, title: str, target: O
         ax.plot(its, smooth, color=COLORS[opt], lw=1.8, label=f"{name} train, mean of {window}")
         if c["valid"]:
             ax.plot(*zip(*c["valid"]), "o--", color=COLORS[opt], ms=4, lw=1, label=f"{name} validation")
-        tops += smooth[len(smooth) // 10:len(smooth) // 10 + 1]
+        tops += smooth[len(smooth) // 10 : len(smooth) // 10 + 1]
         lows += smooth + [loss for _, loss in c["valid"]]
     if target is not None:
         ax.axhline(target, color="gray", ls=":", lw=1, label="AdamW final validation loss")
@@ -241,10 +271,12 @@ def plot(curves: Dict[str, Dict[str, Points]], path: Path, title: str, target: O
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, List[str]]:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                usage="%(prog)s --out DIR [options] [-- pretrain_gpt.py flags for both runs]")
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        usage="%(prog)s --out DIR [options] [-- pretrain_gpt.py flags for both runs]",
+    )
     p.add_argument("--recipe", default="tiny_gqa", help="recipe name or YAML file (default tiny_gqa)")
     p.add_argument("--out", required=True, type=Path, help="folder for the PNG, markdown, JSON and logs")
     for name in ("--train-iters", "--eval-interval", "--eval-iters"):
@@ -254,9 +286,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--muon-lr", type=float, default=None, help="Muon's --lr (default: the recipe's)")
     p.add_argument("--data-cache-path", default=None, help="shared by both runs (default: the driver's)")
     p.add_argument("--keep-runs", action="store_true", help="keep OUT/runs/ (the runs' logs)")
-    p.add_argument("--variants", nargs="*", default=[], choices=sorted(VARIANTS),
-                   help="also run Muon with these variants: " + "; ".join(
-                       f"{k}: {v[0]} ({' '.join(v[2])})" for k, v in VARIANTS.items()))
+    p.add_argument(
+        "--variants",
+        nargs="*",
+        default=[],
+        choices=sorted(VARIANTS),
+        help="also run Muon with these variants: "
+        + "; ".join(f"{k}: {v[0]} ({' '.join(v[2])})" for k, v in VARIANTS.items()),
+    )
     return p.parse_args(argv), extra
 
 
@@ -269,9 +306,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plan = [(opt, opt, []) for opt in OPTIMIZERS]
     plan += [(f"muon_{v}", "muon", VARIANTS[v][2]) for v in dict.fromkeys(args.variants)]
     for name, opt, flags in plan:
-        cmd = driver_command(opt, out, args.recipe, args.nproc, args.adam_lr if opt == "adam" else args.muon_lr,
-                             args.train_iters, args.eval_interval, args.eval_iters, args.data_cache_path,
-                             [*extra, *flags])
+        cmd = driver_command(
+            opt,
+            out,
+            args.recipe,
+            args.nproc,
+            args.adam_lr if opt == "adam" else args.muon_lr,
+            args.train_iters,
+            args.eval_interval,
+            args.eval_iters,
+            args.data_cache_path,
+            [*extra, *flags],
+        )
         commands[name] = shown(cmd)
         print(f"[compare] {commands[name]}", flush=True)
         train, valid, peak_lr, throughput[name] = read_log(run_driver(cmd, runs / f"{name}.log"))
@@ -285,13 +331,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     plot(curves, out / "loss_curves.png", title, target, reach)
     tool = shown([sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
     body = table(summaries, args.eval_interval)
-    md = (f"# {title}\n\n![loss curves](loss_curves.png)\n\n{body}\nDevice: {device or 'unknown'}. "
-          f"Produced by\n\n```\n{tool}\n```\n\nwhich ran\n\n```\n" + "\n".join(commands.values()) + "\n```\n")
+    md = (
+        f"# {title}\n\n![loss curves](loss_curves.png)\n\n{body}\nDevice: {device or 'unknown'}. "
+        f"Produced by\n\n```\n{tool}\n```\n\nwhich ran\n\n```\n" + "\n".join(commands.values()) + "\n```\n"
+    )
     (out / "compare.md").write_text(md)
-    (out / "compare.json").write_text(json.dumps({
-        "recipe": args.recipe, "device": device, "command": tool, "commands": commands,
-        "target_valid_loss": target, "summary": summaries, "curves": curves,
-    }, indent=1) + "\n")
+    (out / "compare.json").write_text(
+        json.dumps(
+            {
+                "recipe": args.recipe,
+                "device": device,
+                "command": tool,
+                "commands": commands,
+                "target_valid_loss": target,
+                "summary": summaries,
+                "curves": curves,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     if not args.keep_runs:
         shutil.rmtree(runs)
     print(body, end="")

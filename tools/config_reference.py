@@ -64,7 +64,9 @@ def table() -> str:
             rows.append([f"`{f.name}`", "str", _default(f), "`--optimizer muon`", doc])
             continue
         if f.name not in docs:
-            raise ValueError(f"MuonConfig.{f.name} has no docstring: add one under the field in megatron_muon/config.py")
+            raise ValueError(
+                f"MuonConfig.{f.name} has no docstring: add one under the field in megatron_muon/config.py"
+            )
         flag = "(Python only)" if f.name in no_flag else f"`{muon_args.flag_name(f.name)}`"
         rows.append([f"`{f.name}`", _type_name(hints[f.name]), _default(f), flag, docs[f.name].replace("|", "\\|")])
     lines = ["| field | type | default | flag | meaning |", "|---|---|---|---|---|"]

@@ -1,9 +1,9 @@
 """Convert and inspect Megatron checkpoints for megatron-muon.
 
-  python tools/convert_checkpoint.py adam-to-muon SRC DST [--momentum zeros|exp_avg]
-  python tools/convert_checkpoint.py muon-to-adam SRC DST [--exp-avg zeros|momentum] [--beta1 0.9]
-  python tools/convert_checkpoint.py experts SRC.pt DST.pt --to sequential|legacy_grouped [--num-experts E]
-  python tools/convert_checkpoint.py inspect CKPT
+python tools/convert_checkpoint.py adam-to-muon SRC DST [--momentum zeros|exp_avg]
+python tools/convert_checkpoint.py muon-to-adam SRC DST [--exp-avg zeros|momentum] [--beta1 0.9]
+python tools/convert_checkpoint.py experts SRC.pt DST.pt --to sequential|legacy_grouped [--num-experts E]
+python tools/convert_checkpoint.py inspect CKPT
 """
 
 from megatron_muon.megatron_lm.convert import main

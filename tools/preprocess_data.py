@@ -62,14 +62,20 @@ def build_tokenizer(kind: str, model: Optional[str]):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="preprocess_data.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="preprocess_data.py", description=__doc__.split("\n\n")[0], allow_abbrev=False
+    )
     parser.add_argument("--input", nargs="+", required=True, help="JSONL or text file(s)")
     parser.add_argument("--json-keys", nargs="+", default=["text"], help="keys of the JSON objects to extract")
     parser.add_argument("--split-lines", action="store_true", help="text input: one document per non-empty line")
     parser.add_argument("--output-prefix", required=True)
-    parser.add_argument("--tokenizer-type", default="ByteTokenizer", choices=["ByteTokenizer", "HuggingFaceTokenizer"],
-                        help="ByteTokenizer: UTF-8 bytes, <eod> 256 (train with --tokenizer-type NullTokenizer "
-                        "--vocab-size 257, the default of pretrain_gpt.py)")
+    parser.add_argument(
+        "--tokenizer-type",
+        default="ByteTokenizer",
+        choices=["ByteTokenizer", "HuggingFaceTokenizer"],
+        help="ByteTokenizer: UTF-8 bytes, <eod> 256 (train with --tokenizer-type NullTokenizer "
+        "--vocab-size 257, the default of pretrain_gpt.py)",
+    )
     parser.add_argument("--tokenizer-model", default=None)
     parser.add_argument("--append-eod", action="store_true", help="end every document with the <eod> token")
     parser.add_argument("--workers", type=int, default=1, help="accepted; tokenization runs in one process")
@@ -137,8 +143,10 @@ def preprocess(args: argparse.Namespace) -> Dict[str, int]:
 
         write_indexed_dataset(prefix, documents(), tokenizer.vocab_size)
         counts[prefix] = count[0]
-        print(f"wrote {prefix}.bin/.idx: {count[0]} documents, {count[1]} tokens "
-              f"({time.perf_counter() - start:.1f} s)", flush=True)
+        print(
+            f"wrote {prefix}.bin/.idx: {count[0]} documents, {count[1]} tokens ({time.perf_counter() - start:.1f} s)",
+            flush=True,
+        )
     return counts
 
 

@@ -31,7 +31,6 @@ if not cpu.use_cuda():
 from megatron_muon.megatron_lm import corpus  # noqa: E402
 from megatron_muon.megatron_lm.launch import prepare  # noqa: E402
 
-
 # ---------------------------------------------------------------------------------------
 # Model
 # ---------------------------------------------------------------------------------------
@@ -72,13 +71,20 @@ def get_batch(data_iterator, vp_stage: Optional[int] = None):
         batch = {k: (v.cuda(non_blocking=True) if torch.is_tensor(v) else v) for k, v in next(data_iterator).items()}
         batch.setdefault("attention_mask", None)
     batch = get_batch_on_this_tp_rank(
-        batch, has_cu_seqlens=False, is_hybrid_cp=False,
+        batch,
+        has_cu_seqlens=False,
+        is_hybrid_cp=False,
         create_attention_mask_in_dataloader=args.create_attention_mask_in_dataloader,
         broadcast_src_rank=mpu.get_tensor_model_parallel_src_rank(),
-        broadcast_group=mpu.get_tensor_model_parallel_group(), cp_size=args.context_parallel_size,
-        tp_rank=tp_rank, micro_batch_size=args.micro_batch_size, seq_length=args.seq_length,
-        mtp_on_this_rank=False, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=mpu.is_pipeline_first_stage(), is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+        broadcast_group=mpu.get_tensor_model_parallel_group(),
+        cp_size=args.context_parallel_size,
+        tp_rank=tp_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        mtp_on_this_rank=False,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
     )
     batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=mpu.get_context_parallel_group())
     return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
@@ -98,8 +104,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     if get_args().check_for_nan_in_loss_and_grad:
         machine = get_rerun_state_machine()
         for check, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
-            machine.validate_result(result=loss, rejection_func=check, tolerance=0.0, fatal=True,
-                                    message=f"found {what} in local forward loss calculation")
+            machine.validate_result(
+                result=loss,
+                rejection_func=check,
+                tolerance=0.0,
+                fatal=True,
+                message=f"found {what} in local forward loss calculation",
+            )
     return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
 
 

@@ -41,9 +41,9 @@ import torch
 
 from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, STATE_PREFIX, CheckpointError
 from megatron_muon.checkpoint import state_key as _state_key
+from megatron_muon.integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
 from megatron_muon.matrices import is_muon_matrix
 from megatron_muon.state import MOMENTUM, MUON_STATES
-from megatron_muon.integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
 
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
 
@@ -95,7 +95,9 @@ def read_checkpoint(path: str) -> Checkpoint:
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0)
+            request[key] = ShardedTensor.from_rank_offsets(
+                key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0
+            )
         elif key.startswith("common_state"):
             continue
         else:
@@ -125,7 +127,9 @@ def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
 
     _ensure_process_group()
     state: Dict[str, Any] = dict(ckpt.common)
-    sharded = {key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()}
+    sharded = {
+        key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()
+    }
     objects = {
         f"{key}/{offset}": ShardedObject(key, value, shape, offset, replica_id=0)
         for (key, offset, shape), value in ckpt.objects.items()
@@ -160,8 +164,10 @@ def resolve_source(src: str) -> str:
             raise CheckpointError(f"{tracker} names iteration {latest}, but {path} does not exist")
         return path
     if not os.path.isfile(os.path.join(src, ".metadata")):
-        raise CheckpointError(f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist "
-                              "checkpoint (no .metadata); give the --save directory or one iter_XXXXXXX in it")
+        raise CheckpointError(
+            f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist "
+            "checkpoint (no .metadata); give the --save directory or one iter_XXXXXXX in it"
+        )
     return src
 
 
@@ -234,7 +240,7 @@ def _retarget_args(ckpt: Checkpoint, optimizer: str) -> None:
 def model_keys(ckpt: Checkpoint) -> List[str]:
     """Model tensor keys that have an fp32 master in the optimizer state."""
     prefix = _state_key("param", "")
-    return sorted(k[len(prefix):] for k in ckpt.tensors if k.startswith(prefix))
+    return sorted(k[len(prefix) :] for k in ckpt.tensors if k.startswith(prefix))
 
 
 _LINEAR_WEIGHT = re.compile(r"(^|\.)(linear_\w+\.weight\d*|weight[12]|router\.weight)$")
@@ -246,13 +252,24 @@ key's tensor rank does not say whether each parameter is a matrix; its name does
 def is_muon_key(key: str, exclude: Iterable[str] = (), router: bool = False) -> bool:
     """Which model tensors Muon optimizes, from their checkpoint key (no model at hand):
     ``matrices.is_muon_matrix`` with the rank and role read off Megatron's GPT names."""
-    role = ("embedding" if "embedding" in key or key.startswith("output_layer")
-            else "router" if key.endswith("router.weight") else "weight")
+    role = (
+        "embedding"
+        if "embedding" in key or key.startswith("output_layer")
+        else "router"
+        if key.endswith("router.weight")
+        else "weight"
+    )
     return is_muon_matrix(key, 2 if _LINEAR_WEIGHT.search(key) else 1, role, tuple(exclude), router)
 
 
-def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[str] = (), router: bool = False,
-                 overwrite: bool = False) -> Dict[str, int]:
+def adam_to_muon(
+    src: str,
+    dst: str,
+    momentum: str = "zeros",
+    exclude: Iterable[str] = (),
+    router: bool = False,
+    overwrite: bool = False,
+) -> Dict[str, int]:
     """Megatron DistributedOptimizer (AdamW, ``fully_reshardable``) -> Muon checkpoint.
 
     Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
@@ -278,7 +295,9 @@ def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[
             continue
         exp_avg = ckpt.tensors.pop(_state_key("exp_avg", key))
         ckpt.tensors.pop(_state_key("exp_avg_sq", key))
-        ckpt.tensors[_state_key(MOMENTUM, key)] = exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
+        ckpt.tensors[_state_key(MOMENTUM, key)] = (
+            exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
+        )
         converted += 1
     ckpt.common["optimizer"] = {
         "format": FORMAT,
@@ -292,7 +311,9 @@ def adam_to_muon(src: str, dst: str, momentum: str = "zeros", exclude: Iterable[
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
 
 
-def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9, overwrite: bool = False) -> Dict[str, int]:
+def muon_to_adam(
+    src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9, overwrite: bool = False
+) -> Dict[str, int]:
     """Muon checkpoint -> Megatron DistributedOptimizer (AdamW, ``fully_reshardable``).
 
     ``exp_avg`` of former Muon matrices is zero, or ``(1 - beta1) * momentum`` with
@@ -304,8 +325,10 @@ def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9,
     ckpt = read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") != FORMAT:
-        raise CheckpointError(f"{source} holds no Muon optimizer state (format {opt_common.get('format')!r}); "
-                              "an AdamW checkpoint converts to Muon with adam-to-muon.")
+        raise CheckpointError(
+            f"{source} holds no Muon optimizer state (format {opt_common.get('format')!r}); "
+            "an AdamW checkpoint converts to Muon with adam-to-muon."
+        )
     converted = 0
     for key in model_keys(ckpt):
         states = {s.name: ckpt.tensors.pop(_state_key(s.name, key), None) for s in MUON_STATES}
@@ -335,7 +358,9 @@ def muon_to_adam(src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9,
     if dense.get("grad_scaler") is not None:
         ckpt.common["optimizer"]["grad_scaler"] = dense["grad_scaler"]
     if isinstance(ckpt.common.get("content_metadata"), dict):  # Megatron-LM loads by this label
-        ckpt.common["content_metadata"] = dict(ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable")
+        ckpt.common["content_metadata"] = dict(
+            ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable"
+        )
     _retarget_args(ckpt, "adam")
     written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite)
     return {"converted": converted, "step": step, "wrote": written}
@@ -350,8 +375,10 @@ def inspect(path: str) -> str:
     metadata = _read_metadata(path)
     common = dist_checkpointing.load_common_state_dict(path)
     opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}
-    kind = "muon" if opt.get("format") == FORMAT else (
-        f"megatron {opt.get('param_state_sharding_type')}" if opt else "model only"
+    kind = (
+        "muon"
+        if opt.get("format") == FORMAT
+        else (f"megatron {opt.get('param_state_sharding_type')}" if opt else "model only")
     )
     lines = [f"checkpoint: {path}", f"optimizer: {kind}"]
     if "iteration" in common:
@@ -388,7 +415,9 @@ _FUSED = re.compile(r"^(?P<prefix>.*\.experts)\.weight(?P<which>[12])$")
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.local_experts\.(?P<e>\d+)\.linear_fc(?P<which>[12])\.weight$")
 
 
-def experts_state_dict(state: Dict[str, torch.Tensor], to: str, num_experts: Optional[int] = None) -> Dict[str, torch.Tensor]:
+def experts_state_dict(
+    state: Dict[str, torch.Tensor], to: str, num_experts: Optional[int] = None
+) -> Dict[str, torch.Tensor]:
     """Convert a (single-rank) torch state dict between the legacy fused ``GroupedMLP``
     (``experts.weight1`` ``[hidden, E*ffn(*2)]``, ``experts.weight2`` ``[E*ffn, hidden]``,
     read as per-expert ``view(E, hidden, -1)`` / ``view(E, -1, hidden)``) and per-expert
@@ -503,8 +532,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "adam-to-muon":
-            print(adam_to_muon(args.src, args.dst, args.momentum, args.muon_exclude_patterns, args.muon_router,
-                               args.overwrite))
+            print(
+                adam_to_muon(
+                    args.src, args.dst, args.momentum, args.muon_exclude_patterns, args.muon_router, args.overwrite
+                )
+            )
         elif args.command == "muon-to-adam":
             print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1, args.overwrite))
         elif args.command == "experts":

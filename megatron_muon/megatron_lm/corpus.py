@@ -36,8 +36,13 @@ class CorpusError(ValueError):
 
 
 def uses_builtin_corpus(args: argparse.Namespace) -> bool:
-    return not (args.mock_data or args.data_path or args.train_data_path or args.data_args_path
-                or getattr(args, "per_split_data_args_path", None))
+    return not (
+        args.mock_data
+        or args.data_path
+        or args.train_data_path
+        or args.data_args_path
+        or getattr(args, "per_split_data_args_path", None)
+    )
 
 
 def check_tokenizer(args: argparse.Namespace) -> None:

@@ -329,8 +329,11 @@ def quiet_cpu_rng_warning() -> None:
 def quiet_missing_extension_notices() -> None:
     """Megatron-core warns at import, once per module, that transformer-engine / Apex are
     absent (and torch that CUDA is): expected without a GPU, so not repeated on every run."""
-    for text in (".*Transformer Engine and Apex are not installed", ".*Apex is not installed",
-                 ".*transformer-engine>=1.7.0 supports MoE experts"):
+    for text in (
+        ".*Transformer Engine and Apex are not installed",
+        ".*Apex is not installed",
+        ".*transformer-engine>=1.7.0 supports MoE experts",
+    ):
         warnings.filterwarnings("ignore", message=text)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
 

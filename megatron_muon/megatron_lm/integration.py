@@ -63,7 +63,9 @@ def add_muon_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     reused = sorted({a.dest for a in parser._actions} & set(fields))
     muon_args.add_muon_arguments(parser, reuse_existing=True)
     parser.add_argument_group("megatron_muon").add_argument(
-        "--muon-impl", choices=IMPLS, default="megatron_muon",
+        "--muon-impl",
+        choices=IMPLS,
+        default="megatron_muon",
         help="Which Muon --optimizer muon builds: 'megatron_muon' (exact distributed Muon, "
         "megatron_muon.get_muon_optimizer; needs --use-distributed-optimizer) or 'megatron' "
         "(Megatron-core's own). Default: megatron_muon.",
@@ -124,22 +126,36 @@ def check_supported(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` (naming the flag and the fix) for what megatron_muon cannot run."""
     on = lambda name, default=False: getattr(args, name, default)  # noqa: E731
     problems = [
-        (args.optimizer == "dist_muon", "--optimizer dist_muon is deprecated: use --optimizer muon "
-         "--use-distributed-optimizer"),
-        (not on("use_distributed_optimizer"), "needs --use-distributed-optimizer (its state is sharded "
-         "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon"),
+        (
+            args.optimizer == "dist_muon",
+            "--optimizer dist_muon is deprecated: use --optimizer muon --use-distributed-optimizer",
+        ),
+        (
+            not on("use_distributed_optimizer"),
+            "needs --use-distributed-optimizer (its state is sharded "
+            "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon",
+        ),
         (on("use_megatron_fsdp"), "does not support Megatron FSDP: drop --use-megatron-fsdp"),
         (on("use_torch_fsdp2"), "does not support Torch FSDP2: drop --use-torch-fsdp2"),
-        (on("optimizer_cpu_offload") and not on("muon_cpu_offload"), "offloads with --optimizer-cpu-offload "
-         "only together with --muon-cpu-offload (the Muon momentum and fp32 masters go to the CPU): add it"),
-        (on("use_precision_aware_optimizer") and not on("optimizer_cpu_offload"),
-         "does not support --use-precision-aware-optimizer: drop it"),
+        (
+            on("optimizer_cpu_offload") and not on("muon_cpu_offload"),
+            "offloads with --optimizer-cpu-offload "
+            "only together with --muon-cpu-offload (the Muon momentum and fp32 masters go to the CPU): add it",
+        ),
+        (
+            on("use_precision_aware_optimizer") and not on("optimizer_cpu_offload"),
+            "does not support --use-precision-aware-optimizer: drop it",
+        ),
         (on("num_distributed_optimizer_instances", 1) != 1, "needs --num-distributed-optimizer-instances 1"),
-        (on("dump_param_to_param_group_map", None) is not None,
-         "does not support --dump-param-to-param-group-map: drop it"),
-        (any(on(k, None) for k in ("save", "load", "pretrained_checkpoint"))
-         and on("ckpt_format", "torch_dist") != "torch_dist",
-         f"saves and loads only --ckpt-format torch_dist (got {on('ckpt_format', None)!r}): use it"),
+        (
+            on("dump_param_to_param_group_map", None) is not None,
+            "does not support --dump-param-to-param-group-map: drop it",
+        ),
+        (
+            any(on(k, None) for k in ("save", "load", "pretrained_checkpoint"))
+            and on("ckpt_format", "torch_dist") != "torch_dist",
+            f"saves and loads only --ckpt-format torch_dist (got {on('ckpt_format', None)!r}): use it",
+        ),
     ]
     for bad, why in problems:
         if bad:
@@ -153,8 +169,10 @@ def _check_megatron_choices(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if value is not None and value not in allowed and dest not in getattr(args, UNSET, ()):
             flag = muon_args.flag_name(dest)
-            raise ValueError(f"megatron_muon: {flag} {value} exists only with --muon-impl megatron_muon; "
-                             f"Megatron-core's Muon accepts {list(allowed)}.")
+            raise ValueError(
+                f"megatron_muon: {flag} {value} exists only with --muon-impl megatron_muon; "
+                f"Megatron-core's Muon accepts {list(allowed)}."
+            )
 
 
 def _wrap_add_megatron_arguments(original: Callable, module: Any) -> Callable:
@@ -204,8 +222,10 @@ def _wrap_validate_args(original: Callable, module: Any, installed: _Installatio
                 module._print_args = print_args
         args.use_layer_wise_distributed_optimizer = False
         if not args.use_distributed_optimizer:  # e.g. --freeze-all-layers switches it off
-            raise ValueError("megatron_muon: Megatron-LM's validation switched off --use-distributed-optimizer "
-                             "(--freeze-all-layers?), which --optimizer muon needs.")
+            raise ValueError(
+                "megatron_muon: Megatron-LM's validation switched off --use-distributed-optimizer "
+                "(--freeze-all-layers?), which --optimizer muon needs."
+            )
         installed.muon_config = muon_config_from_megatron(args)  # bad --muon-* values fail here
         return result
 
@@ -243,19 +263,25 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _In
         args = _global_args(module) if getattr(config, "optimizer", None) == "muon" else None
         if args is None or not _ours(args):
             return original(config, model_chunks, *a, **kw)
-        if (installed.muon_config is None or getattr(args, "use_layer_wise_distributed_optimizer", False)
-                or not config.use_distributed_optimizer):
+        if (
+            installed.muon_config is None
+            or getattr(args, "use_layer_wise_distributed_optimizer", False)
+            or not config.use_distributed_optimizer
+        ):
             raise RuntimeError(
                 "megatron_muon: the arguments were validated without megatron_muon (LayerWise optimizer "
-                "selected); call use_megatron_muon() before parse_and_validate_args (--yaml-cfg is not supported).")
+                "selected); call use_megatron_muon() before parse_and_validate_args (--yaml-cfg is not supported)."
+            )
         call = signature.bind(config, model_chunks, *a, **kw)
         call.apply_defaults()
         p = call.arguments
         if p.get("dump_param_to_param_group_map") is not None:  # a direct call (the flag fails validation)
             raise ValueError("megatron_muon: --dump-param-to-param-group-map is not supported; drop it.")
         optimizer = get_muon_optimizer(
-            with_optimizer_config(installed.muon_config, config), model_chunks,
-            pg_collection=p.get("pg_collection"), config_overrides=p.get("config_overrides"),
+            with_optimizer_config(installed.muon_config, config),
+            model_chunks,
+            pg_collection=p.get("pg_collection"),
+            config_overrides=p.get("config_overrides"),
             use_gloo_process_groups=p.get("use_gloo_process_groups", True),
         )
         installed.optimizer = optimizer
@@ -281,14 +307,24 @@ def _owner_aligned_ddp(ddp_class: Callable, installed: _Installation) -> Callabl
     from megatron_muon.buffer_layout import owner_aligned_param_layout
 
     @functools.wraps(ddp_class, updated=())
-    def distributed_data_parallel(*, config, ddp_config, module, disable_bucketing=False, full_param_layout=None,
-                                  **kw):
+    def distributed_data_parallel(*, config, ddp_config, module, disable_bucketing=False, full_param_layout=None, **kw):
         muon_config = _owner_aligned_config(installed, ddp_config)
         if muon_config is not None:
             full_param_layout = owner_aligned_param_layout(
-                muon_config, module, ddp_config, disable_bucketing=disable_bucketing, pg_collection=kw.get("pg_collection"))
-        return ddp_class(config=config, ddp_config=ddp_config, module=module, disable_bucketing=disable_bucketing,
-                         full_param_layout=full_param_layout, **kw)
+                muon_config,
+                module,
+                ddp_config,
+                disable_bucketing=disable_bucketing,
+                pg_collection=kw.get("pg_collection"),
+            )
+        return ddp_class(
+            config=config,
+            ddp_config=ddp_config,
+            module=module,
+            disable_bucketing=disable_bucketing,
+            full_param_layout=full_param_layout,
+            **kw,
+        )
 
     return distributed_data_parallel
 
@@ -300,17 +336,20 @@ def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any, installed:
 
     @functools.wraps(original)
     def wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *a, **kw):
-        if (_owner_aligned_config(installed, ddp_config) is not None
-                and kw.get("DP", DistributedDataParallel) is DistributedDataParallel
-                and not kw.get("use_layer_wise_distributed_optimizer")):
+        if (
+            _owner_aligned_config(installed, ddp_config) is not None
+            and kw.get("DP", DistributedDataParallel) is DistributedDataParallel
+            and not kw.get("use_layer_wise_distributed_optimizer")
+        ):
             kw["DP"] = _owner_aligned_ddp(DistributedDataParallel, installed)
         return original(model_chunks, config, ddp_config, *a, **kw)
 
     return wrap_model_chunks_with_ddp
 
 
-def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
-                      training_module: Optional[types.ModuleType] = None) -> Callable[[], None]:
+def use_megatron_muon(
+    arguments_module: Optional[types.ModuleType] = None, training_module: Optional[types.ModuleType] = None
+) -> Callable[[], None]:
     """Install the patches (see the module docstring); returns a function undoing them.
 
     The modules default to ``megatron.training.arguments`` / ``megatron.training.training``.
@@ -329,10 +368,17 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
     wrappers = (
         (arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments),
         (arguments_module, "validate_args", functools.partial(_wrap_validate_args, installed=installed)),
-        (training_module, "get_megatron_optimizer", functools.partial(_wrap_get_megatron_optimizer, installed=installed)),
+        (
+            training_module,
+            "get_megatron_optimizer",
+            functools.partial(_wrap_get_megatron_optimizer, installed=installed),
+        ),
         (training_module, "clip_qk", functools.partial(_wrap_clip_qk, installed=installed)),
-        (training_module, "wrap_model_chunks_with_ddp",
-         functools.partial(_wrap_wrap_model_chunks_with_ddp, installed=installed)),
+        (
+            training_module,
+            "wrap_model_chunks_with_ddp",
+            functools.partial(_wrap_wrap_model_chunks_with_ddp, installed=installed),
+        ),
     )
     patches: List[Tuple[Any, str, Callable, Callable]] = [
         (module, name, getattr(module, name), wrap(getattr(module, name), module))
@@ -345,6 +391,7 @@ def use_megatron_muon(arguments_module: Optional[types.ModuleType] = None,
         ddp_class = dist_utils.DistributedDataParallel  # looked up by _ddp_wrap at call time
         patches.append((dist_utils, "DistributedDataParallel", ddp_class, _owner_aligned_ddp(ddp_class, installed)))
     from .integrity_hooks import integrity_patches  # checksummed checkpoints in Megatron-LM's save/load
+
     patches += integrity_patches()
 
     def undo() -> None:

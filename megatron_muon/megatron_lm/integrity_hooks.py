@@ -62,7 +62,9 @@ def verify_before_read(checkpoint_dir: str, first_read: bool) -> None:
     checkpoint_dir = str(checkpoint_dir)
     if not has_manifest(checkpoint_dir):
         if dist.get_rank() == 0:
-            logger.warning("%s has no %s: loading it unverified (saved without megatron_muon)", checkpoint_dir, MANIFEST)
+            logger.warning(
+                "%s has no %s: loading it unverified (saved without megatron_muon)", checkpoint_dir, MANIFEST
+            )
         return
     stamp = _manifest_stamp(checkpoint_dir)
     if not first_read and _VERIFIED.pop(checkpoint_dir, None) == stamp:
@@ -73,8 +75,9 @@ def verify_before_read(checkpoint_dir: str, first_read: bool) -> None:
 
 
 def _wrap_load_global_dist_base_checkpoint(original: Callable, checkpointing: Any) -> Callable:
-    def load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release,
-                                         *rest, **kwargs):
+    def load_global_dist_base_checkpoint(
+        load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kwargs
+    ):
         checkpoint_dir = checkpointing.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
         verify_before_read(checkpoint_dir, first_read=bool(rank0))
         return original(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kwargs)
@@ -97,6 +100,12 @@ def integrity_patches(checkpointing: Optional[Any] = None) -> List[Tuple[Any, st
         patches.append((checkpointing, "dist_checkpointing", package, DistCheckpointingWithManifest(package)))
     load = getattr(checkpointing, "_load_global_dist_base_checkpoint", None)
     if load is not None and not hasattr(load, "__wrapped__"):
-        patches.append((checkpointing, "_load_global_dist_base_checkpoint", load,
-                        _wrap_load_global_dist_base_checkpoint(load, checkpointing)))
+        patches.append(
+            (
+                checkpointing,
+                "_load_global_dist_base_checkpoint",
+                load,
+                _wrap_load_global_dist_base_checkpoint(load, checkpointing),
+            )
+        )
     return patches

@@ -22,8 +22,12 @@ from .integration import use_megatron_muon
 
 DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": corpus.BYTE_VOCAB_SIZE}
 """Megatron-LM's ``args_defaults``: the built-in byte corpus's tokenizer when none is named."""
-NO_TE_DEFAULTS = {"transformer_impl": "local", "apply_rope_fusion": False, "no_persist_layer_norm": True,
-                  "gradient_accumulation_fusion": False}
+NO_TE_DEFAULTS = {
+    "transformer_impl": "local",
+    "apply_rope_fusion": False,
+    "no_persist_layer_norm": True,
+    "gradient_accumulation_fusion": False,
+}
 """Defaults without transformer-engine (Megatron-LM's assume it): its fused kernels are absent."""
 
 
@@ -31,9 +35,13 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     """``--recipe`` (expanded before parsing, listed here for ``--help``) and the CPU defaults
     (gloo, the local transformer implementation) where there is no GPU / transformer-engine."""
     group = parser.add_argument_group("megatron_muon")
-    group.add_argument("--recipe", default=None, metavar="NAME|FILE",
-                       help="YAML file (or name under recipes/) of Megatron-LM flags; the command line overrides it. "
-                       f"Available: {', '.join(recipes.available_recipes())}.")
+    group.add_argument(
+        "--recipe",
+        default=None,
+        metavar="NAME|FILE",
+        help="YAML file (or name under recipes/) of Megatron-LM flags; the command line overrides it. "
+        f"Available: {', '.join(recipes.available_recipes())}.",
+    )
     parser.error = functools.partial(_one_line_error, parser.prog)  # not Megatron-LM's 3,000-line usage
     if not cpu.use_cuda():
         parser.set_defaults(distributed_backend="gloo")
@@ -66,9 +74,9 @@ def expand_recipe(argv: Sequence[str]) -> List[str]:
     if argv[i] == "--recipe":
         if i + 1 >= len(argv):
             raise recipes.RecipeError("--recipe needs a name or a file")
-        name, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        name, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
     else:
-        name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1:]
+        name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
     parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     return recipes.recipe_to_argv(recipes.load_recipe(name), parser) + rest
 
@@ -119,13 +127,17 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
     status 0, which a launch script reads as a finished run."""
     from megatron.training.checkpointing import get_checkpoint_tracker_filename
 
-    if not (args.load and args.exit_on_missing_checkpoint) or os.path.isfile(get_checkpoint_tracker_filename(args.load)):
+    if not (args.load and args.exit_on_missing_checkpoint) or os.path.isfile(
+        get_checkpoint_tracker_filename(args.load)
+    ):
         return
     if args.ckpt_step is not None and os.path.isdir(os.path.join(args.load, f"iter_{args.ckpt_step:07d}")):
         return
-    raise ValueError(f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
-                     f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
-                     "--exit-on-missing-checkpoint is set: check the path")
+    raise ValueError(
+        f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
+        f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
+        "--exit-on-missing-checkpoint is set: check the path"
+    )
 
 
 def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespace:
@@ -191,7 +203,10 @@ def console_main() -> int:
     """``megatron-muon-pretrain``: runs ``tools/pretrain_gpt.py`` (installed beside the recipes)."""
     import runpy
 
-    for candidate in (Path(__file__).resolve().parents[2] / "tools", Path(sys.prefix) / "share" / "megatron_muon" / "tools"):
+    for candidate in (
+        Path(__file__).resolve().parents[2] / "tools",
+        Path(sys.prefix) / "share" / "megatron_muon" / "tools",
+    ):
         script = candidate / "pretrain_gpt.py"
         if script.is_file():
             sys.argv[0] = str(script)

@@ -26,8 +26,14 @@ import torch
 
 from megatron_muon.config import MuonConfig, field_docstrings
 
-DTYPES: Dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                                   "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16}
+DTYPES: Dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 HINTS: Dict[str, Any] = typing.get_type_hints(MuonConfig)
 """MuonConfig's field annotations, resolved (the kind of flag each field gets)."""
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}
@@ -49,8 +55,11 @@ def parse_dtype(value: str) -> torch.dtype:
 
 
 VALUE_KINDS: Dict[str, Dict[str, Any]] = {
-    "int": dict(type=int), "float": dict(type=float), "str": dict(type=str),
-    "dtype": dict(type=parse_dtype, metavar="{bf16,fp32,fp16}"), "str_tuple": dict(nargs="*", type=str),
+    "int": dict(type=int),
+    "float": dict(type=float),
+    "str": dict(type=str),
+    "dtype": dict(type=parse_dtype, metavar="{bf16,fp32,fp16}"),
+    "str_tuple": dict(nargs="*", type=str),
 }
 """argparse keywords of each kind of field other than bool."""
 
@@ -130,20 +139,25 @@ def add_muon_arguments(parser: argparse.ArgumentParser, reuse_existing: bool = F
         # argparse %-formats help strings; a docstring's "80 %" must reach it as "80 %%".
         help_text = docs.get(f.name, "").replace("%", "%%")
         if kind == "bool":
-            short = f.name[len("muon_"):].replace("_", "-")
+            short = f.name[len("muon_") :].replace("_", "-")
             negatives = [f"--no-{flag[2:]}", f"--muon-no-{short}"]
             options = [o for o in (flag, *negatives, *MEGATRON_ALIASES.get(f.name, [])) if o not in taken]
             if options:
                 group.add_argument(
-                    *options, dest=f.name, action=BoolFlag, negatives=negatives, default=default,
+                    *options,
+                    dest=f.name,
+                    action=BoolFlag,
+                    negatives=negatives,
+                    default=default,
                     help=f"{help_text} (default: {default}; disable with {negatives[0]})",
                 )
         elif flag not in taken:
             shown = DTYPE_NAMES.get(default) if kind == "dtype" else default
             if kind == "str_tuple":
                 shown, default = " ".join(default or ()) or "none", list(default or ())
-            group.add_argument(flag, dest=f.name, default=default, help=f"{help_text} (default: {shown})",
-                               **VALUE_KINDS[kind])
+            group.add_argument(
+                flag, dest=f.name, default=default, help=f"{help_text} (default: {shown})", **VALUE_KINDS[kind]
+            )
 
 
 def muon_kwargs(args: argparse.Namespace) -> Dict[str, Any]:

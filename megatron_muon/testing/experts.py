@@ -32,7 +32,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
 from megatron.core.transformer.module import MegatronModule
@@ -98,8 +97,7 @@ class LegacyGroupedMLP(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if config.add_bias_linear:
-            raise ValueError("LegacyGroupedMLP has no biases (as the legacy GroupedMLP): "
-                             "set add_bias_linear=False")
+            raise ValueError("LegacyGroupedMLP has no biases (as the legacy GroupedMLP): set add_bias_linear=False")
         if config.moe_latent_size is not None:
             raise ValueError("LegacyGroupedMLP does not support moe_latent_size")
         pg_collection = _expert_process_groups(pg_collection)
@@ -135,9 +133,7 @@ class LegacyGroupedMLP(MegatronModule):
             weight.allreduce = not _uses_expert_groups(config)
         self.activation_func = _glu_activation(config)
 
-    def expert_views(
-        self, weight1: torch.Tensor, weight2: torch.Tensor
-    ) -> Tuple[torch.Tensor, torch.Tensor]:
+    def expert_views(self, weight1: torch.Tensor, weight2: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(E_local, hidden, ffn_local[*2])`` and ``(E_local, ffn_local, hidden)`` views."""
         hidden, experts = self.config.hidden_size, self.num_local_experts
         return weight1.view(experts, hidden, -1), weight2.view(experts, -1, hidden)
@@ -205,13 +201,19 @@ class LegacyGroupedMLP(MegatronModule):
                     parts = [(gate, tp_rank, 2 * tp_size), (up, tp_size + tp_rank, 2 * tp_size)]
                 else:
                     parts = [(views[e], tp_rank, tp_size)]
-                out.append([
-                    ShardedTensor.from_rank_offsets(
-                        key, t, *expert_offsets(e), (ep_axis + 1, rank, frags),
-                        replica_id=replica, prepend_axis_num=ep_axis + 1,
-                    )
-                    for t, rank, frags in parts
-                ])
+                out.append(
+                    [
+                        ShardedTensor.from_rank_offsets(
+                            key,
+                            t,
+                            *expert_offsets(e),
+                            (ep_axis + 1, rank, frags),
+                            replica_id=replica,
+                            prepend_axis_num=ep_axis + 1,
+                        )
+                        for t, rank, frags in parts
+                    ]
+                )
             return out
 
         def fc1_merge(loaded):
@@ -223,8 +225,12 @@ class LegacyGroupedMLP(MegatronModule):
             views = data.view(E, -1, hidden).transpose(1, 2)  # (E, hidden, ffn_local)
             return [
                 ShardedTensor.from_rank_offsets(
-                    key, views[e], *expert_offsets(e), (ep_axis + 2, tp_rank, tp_size),
-                    replica_id=replica, prepend_axis_num=ep_axis + 1,
+                    key,
+                    views[e],
+                    *expert_offsets(e),
+                    (ep_axis + 2, tp_rank, tp_size),
+                    replica_id=replica,
+                    prepend_axis_num=ep_axis + 1,
                 )
                 for e in range(E)
             ]
@@ -292,9 +298,7 @@ class _GroupedLinearStandIn(torch.nn.Module):
         self.num_gemms = num_gemms
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         for i in range(num_gemms):
-            weight = torch.nn.Parameter(
-                torch.empty(out_size, in_size, device=device, dtype=config.params_dtype)
-            )
+            weight = torch.nn.Parameter(torch.empty(out_size, in_size, device=device, dtype=config.params_dtype))
             dim = 0 if column else 1
             if config.perform_initialization:
                 _initialize_affine_weight_gpu(weight, init_method, dim, is_expert=True)
@@ -374,9 +378,7 @@ class TEGroupedMLPStandIn(TEGroupedMLP):
 
 def te_grouped_standin_submodules() -> GroupedMLPSubmodules:
     """``GroupedMLPSubmodules`` whose linears are the pure-torch stand-ins."""
-    return GroupedMLPSubmodules(
-        linear_fc1=_ColumnGroupedLinearStandIn, linear_fc2=_RowGroupedLinearStandIn
-    )
+    return GroupedMLPSubmodules(linear_fc1=_ColumnGroupedLinearStandIn, linear_fc2=_RowGroupedLinearStandIn)
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,9 +395,7 @@ def _grad_of(param: torch.nn.Parameter) -> torch.Tensor:
     return grad
 
 
-def local_expert_matrices(
-    experts: torch.nn.Module, grads: bool = False
-) -> Dict[str, List[torch.Tensor]]:
+def local_expert_matrices(experts: torch.nn.Module, grads: bool = False) -> Dict[str, List[torch.Tensor]]:
     """This rank's per-expert ``(out, in)`` matrices of an experts module, as views.
 
     Returns ``{"fc1": [E_local x (ffn_local[*2], hidden)], "fc2": [E_local x (hidden, ffn_local)]}``

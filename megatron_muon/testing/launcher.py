@@ -47,9 +47,7 @@ class ParallelLayout:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (
-            self.tensor_model_parallel_size
-            * self.pipeline_model_parallel_size
-            * self.context_parallel_size
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
         )
 
 
@@ -223,15 +221,11 @@ def run_distributed(
                     if rank not in results and os.path.exists(path):
                         results[rank] = torch.load(path, weights_only=False)
                         if not results[rank]["ok"]:
-                            raise DistributedTestError(
-                                f"rank {rank} of {world_size} failed:\n{results[rank]['error']}"
-                            )
+                            raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{results[rank]['error']}")
                 dead = [
                     r
                     for r, p in enumerate(procs)
-                    if r not in results
-                    and not p.is_alive()
-                    and not os.path.exists(os.path.join(outdir, f"rank{r}"))
+                    if r not in results and not p.is_alive() and not os.path.exists(os.path.join(outdir, f"rank{r}"))
                 ]
                 if dead:
                     raise DistributedTestError(

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from ..config import MuonConfig
-
 
 # ---------------------------------------------------------------------------------------
 # Model configuration
@@ -112,9 +111,7 @@ def transformer_config(spec: TinyModelSpec):
         fp16=spec.fp16,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        virtual_pipeline_model_parallel_size=(
-            parallel_state.get_virtual_pipeline_model_parallel_world_size()
-        ),
+        virtual_pipeline_model_parallel_size=(parallel_state.get_virtual_pipeline_model_parallel_world_size()),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
@@ -135,8 +132,13 @@ def transformer_config(spec: TinyModelSpec):
         # Small MLA: latent q and kv, per head 16 nope + 8 rope dims for q/k, 16 for v.
         # Megatron's local MLA spec puts RMSNorms on the latents (qk_layernorm).
         kwargs.update(
-            q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
-            v_head_dim=16, rope_type="rope", qk_layernorm=True,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_head_dim=16,
+            qk_pos_emb_head_dim=8,
+            v_head_dim=16,
+            rope_type="rope",
+            qk_layernorm=True,
         )
         kwargs.update(spec.extra)
         return MLATransformerConfig(**kwargs)
@@ -192,8 +194,8 @@ def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module
 
 def _sharded_tensors(chunk: torch.nn.Module) -> List[Any]:
     """Megatron's ``ShardedTensor``s for a chunk's parameters (factories expanded)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     out = []
     for value in nested_values(chunk.sharded_state_dict()):
@@ -203,9 +205,7 @@ def _sharded_tensors(chunk: torch.nn.Module) -> List[Any]:
             out.append(value)
     # Only parameters (not extra state or buffers such as rotary inv_freq).
     storages = {p.untyped_storage().data_ptr() for p in chunk.parameters()}
-    return [
-        st for st in out if st.data is not None and st.data.untyped_storage().data_ptr() in storages
-    ]
+    return [st for st in out if st.data is not None and st.data.untyped_storage().data_ptr() in storages]
 
 
 def param_region(st, chunks: List[torch.nn.Module]) -> Tuple[torch.nn.Parameter, int]:
@@ -249,7 +249,9 @@ def gather_canonical_state(chunks: List[torch.nn.Module]) -> Dict[str, List[Tupl
     return out
 
 
-def gather_canonical_optimizer_state(model: List[torch.nn.Module], optimizer) -> Dict[str, List[Tuple[Any, torch.Tensor]]]:
+def gather_canonical_optimizer_state(
+    model: List[torch.nn.Module], optimizer
+) -> Dict[str, List[Tuple[Any, torch.Tensor]]]:
     """This rank's pieces of every optimizer state tensor in model coordinates
     (``optimizer.state.<state>.<param key>``), as ``gather_canonical_state`` does for
     parameters; merge the ranks' results with ``merge_canonical_states``."""
@@ -316,7 +318,10 @@ def wrap_ddp(
     if muon_config is not None and muon_config.muon_buffer_layout == "owner_aligned":
         from megatron_muon.buffer_layout import owner_aligned_param_layout
 
-        layouts = [owner_aligned_param_layout(muon_config, c, ddp_config, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+        layouts = [
+            owner_aligned_param_layout(muon_config, c, ddp_config, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)
+        ]
     return [
         DistributedDataParallel(
             config=config,
@@ -329,9 +334,7 @@ def wrap_ddp(
     ]
 
 
-def synthetic_batches(
-    spec: TinyModelSpec, global_batch_size: int, num_steps: int, seed: int = 0
-) -> List[torch.Tensor]:
+def synthetic_batches(spec: TinyModelSpec, global_batch_size: int, num_steps: int, seed: int = 0) -> List[torch.Tensor]:
     """Token batches ``[global_batch_size, seq_length + 1]``, identical on every rank."""
     gen = torch.Generator().manual_seed(10_000 + seed)
     return [
@@ -366,8 +369,12 @@ def _forward_step(data_iterator, model):
 
 
 def forward_backward(
-    model: List[torch.nn.Module], tokens: torch.Tensor, micro_batch_size: int, spec: TinyModelSpec,
-    forward_only: bool = False, optimizer=None,
+    model: List[torch.nn.Module],
+    tokens: torch.Tensor,
+    micro_batch_size: int,
+    spec: TinyModelSpec,
+    forward_only: bool = False,
+    optimizer=None,
 ) -> Optional[float]:
     """One global batch through Megatron's pipeline schedule. Returns the mean loss
     (averaged over micro-batches and data-parallel ranks) on every rank.
@@ -457,8 +464,12 @@ def megatron_adam_optimizer(model: List[torch.nn.Module], lr: float = 1e-2, **ov
 
 
 def reference_train(
-    spec, config: MuonConfig, batches: Sequence[torch.Tensor], micro_batch_size: int,
-    lrs: Optional[Sequence[float]] = None, cautious_masks: Optional[Sequence[Dict[str, torch.Tensor]]] = None,
+    spec,
+    config: MuonConfig,
+    batches: Sequence[torch.Tensor],
+    micro_batch_size: int,
+    lrs: Optional[Sequence[float]] = None,
+    cautious_masks: Optional[Sequence[Dict[str, torch.Tensor]]] = None,
 ):
     """Train the one-rank model of ``spec`` with ``ReferenceMuon``; run it inside
     ``run_distributed(reference_train, 1, spec, config, batches, micro_batch_size)``.
@@ -496,7 +507,9 @@ def reference_train(
                 if st.key in cautious_masks[i]:
                     param, offset = param_region(st, chunks)
                     mask = masks.setdefault(keys[id(param)], torch.zeros_like(param))
-                    mask.view(-1)[offset : offset + st.data.numel()] = cautious_masks[i][st.key][st.global_slice()].reshape(-1)
+                    mask.view(-1)[offset : offset + st.data.numel()] = cautious_masks[i][st.key][
+                        st.global_slice()
+                    ].reshape(-1)
         opt.step(lr=None if lrs is None else lrs[i], cautious_masks=masks)
         flips.append({k: s["cautious"] for k, s in opt.state.items() if "cautious" in s})
     if cautious_masks is not None:

@@ -103,7 +103,7 @@ def qkv_row_sets(nh: int, ng: int, d: int, granularity: str) -> List[List[int]]:
         return [sum(q, []), sum(k, []), sum(v, [])]
     if granularity == "group":
         return [rows for g in range(ng) for rows in (q[g], k[g], v[g])]
-    heads = [q[g][i * d:(i + 1) * d] for g in range(ng) for i in range(qpg)]
+    heads = [q[g][i * d : (i + 1) * d] for g in range(ng) for i in range(qpg)]
     return heads + k + v
 
 
@@ -147,8 +147,12 @@ def logical_matrices(
     mla = re.search(r"(linear_q_proj|linear_q_up_proj|linear_kv_up_proj)\.weight$", name)
     if mla and getattr(tconfig, "multi_latent_attention", False) and config.muon_split_mla:
         second = tconfig.qk_pos_emb_head_dim if "_q_" in name else tconfig.v_head_dim
-        return [_rows(shape, rows) for rows in mla_row_sets(
-            tconfig.num_attention_heads, tconfig.qk_head_dim, second, config.muon_mla_granularity)]
+        return [
+            _rows(shape, rows)
+            for rows in mla_row_sets(
+                tconfig.num_attention_heads, tconfig.qk_head_dim, second, config.muon_mla_granularity
+            )
+        ]
     if re.search(r"linear_fc1\.weight\d*$", name) and glu and config.muon_split_glu:
         half = shape[0] // 2
         return [_rows(shape, range(half)), _rows(shape, range(half, shape[0]))]
@@ -208,8 +212,9 @@ def assert_partition(name: str, shape: Sequence[int], matrices: List[LogicalMatr
     assert bool((count == 1).all()), f"the logical matrices of {name} do not partition it"
 
 
-def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig,
-                mask: Optional[torch.Tensor] = None) -> None:
+def muon_update(
+    p, g, state, lr: float, wd: float, matrices, config: MuonConfig, mask: Optional[torch.Tensor] = None
+) -> None:
     """Momentum (per parameter), orthogonalization (per logical matrix), decoupled wd.
 
     Cautious weight decay applies ``mask`` where given (the mask another implementation
@@ -228,8 +233,11 @@ def muon_update(p, g, state, lr: float, wd: float, matrices, config: MuonConfig,
         mask = own if mask is None else mask.to(torch.bool)
         flipped = own != mask
         peak = float(product.abs().max().clamp_min(1e-30))
-        state["cautious"] = (int(flipped.sum()), own.numel(),
-                             float(product[flipped].abs().max()) / peak if flipped.any() else 0.0)
+        state["cautious"] = (
+            int(flipped.sum()),
+            own.numel(),
+            float(product[flipped].abs().max()) / peak if flipped.any() else 0.0,
+        )
         decay = lr * wd * p * mask
         p.sub_(decay + lr * update)
     else:
@@ -273,21 +281,21 @@ def muon_clip_(modules: Sequence[torch.nn.Module], tconfig: Any) -> None:
             qpg, d = heads // groups, tconfig.kv_channels
             per_group = (qpg + 2) * d
             for g in range(groups):
-                k_scale = min(gamma[g * qpg:(g + 1) * qpg]) ** (1 - alpha)
+                k_scale = min(gamma[g * qpg : (g + 1) * qpg]) ** (1 - alpha)
                 k0 = g * per_group + qpg * d
-                w[k0:k0 + d] *= k_scale
+                w[k0 : k0 + d] *= k_scale
                 for i in range(qpg):
                     q0 = g * per_group + i * d
-                    w[q0:q0 + d] *= gamma[g * qpg + i] / k_scale
+                    w[q0 : q0 + d] *= gamma[g * qpg + i] / k_scale
         else:
             q_proj = getattr(attn, "linear_q_up_proj", None) or attn.linear_q_proj
             wq, wkv = q_proj.weight.data, attn.linear_kv_up_proj.weight.data
             nope, rope, v = tconfig.qk_head_dim, tconfig.qk_pos_emb_head_dim, tconfig.v_head_dim
             for h in range(heads):
                 root = math.sqrt(gamma[h])
-                wq[h * (nope + rope):h * (nope + rope) + nope] *= root
-                wq[h * (nope + rope) + nope:(h + 1) * (nope + rope)] *= gamma[h]
-                wkv[h * (nope + v):h * (nope + v) + nope] *= root
+                wq[h * (nope + rope) : h * (nope + rope) + nope] *= root
+                wq[h * (nope + rope) + nope : (h + 1) * (nope + rope)] *= gamma[h]
+                wkv[h * (nope + v) : h * (nope + v) + nope] *= root
 
 
 def wd_mult(name: str, param: torch.Tensor) -> float:
@@ -311,7 +319,10 @@ class ReferenceMuon:
         self.matrices: Dict[str, Optional[List[LogicalMatrix]]] = {}  # None: AdamW
         self.state: Dict[str, Dict[str, Any]] = {}
         self.attention = [
-            m for c in chunks for m in _unwrap(c).modules() if hasattr(getattr(m, "core_attention", None), "current_max_attn_logits")
+            m
+            for c in chunks
+            for m in _unwrap(c).modules()
+            if hasattr(getattr(m, "core_attention", None), "current_max_attn_logits")
         ]
         self.tconfig = getattr(_unwrap(chunks[0]), "config", None)
         seen = set()

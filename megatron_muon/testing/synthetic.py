@@ -66,16 +66,24 @@ def synthetic_plan(
             param.partition_dim = spec.partition_dim
         module = ShapeOnlyLinear()
         ctx = ParamContext(
-            name=spec.name, param=param, module=module, attr="weight", parent=None,
-            parent_attr=spec.parent_attr, model_config=model_config, config=config, tp_size=tp_size,
+            name=spec.name,
+            param=param,
+            module=module,
+            attr="weight",
+            parent=None,
+            parent_attr=spec.parent_attr,
+            model_config=model_config,
+            config=config,
+            tp_size=tp_size,
         )
         params.append(param)
         muon_params.append(MuonParam(0, spec.name, param, logical_matrices(ctx)))
     ranges = _dp_ranges(params, dp_size)
     coords = [(t, r) for r in range(dp_size) for t in range(tp_size)]
     nodes = tuple(r // gpus_per_node for r in range(len(coords))) if gpus_per_node else ()
-    group = OrthoGroup(group=None, rank=0, size=len(coords), coords=coords, tp_size=tp_size, dp_size=dp_size,
-                       nodes=nodes)
+    group = OrthoGroup(
+        group=None, rank=0, size=len(coords), coords=coords, tp_size=tp_size, dp_size=dp_size, nodes=nodes
+    )
     return plan_for_config(config, muon_params, {i: ranges[i] for i in range(len(params))}, group)
 
 

@@ -58,8 +58,11 @@ def trace_step(optimizer) -> Iterator[Trace]:
     def traced_chunk_update(step, msg, *args) -> Iterator[None]:
         name = names[id(step)]
         stages = chunk_update(step, msg, *args)
-        for first, then, kind in (("launch_gather", None, "gather"), ("complete_gather", "launch_scatter", "scatter"),
-                                  ("complete_scatter", "update", None)):
+        for first, then, kind in (
+            ("launch_gather", None, "gather"),
+            ("complete_gather", "launch_scatter", "scatter"),
+            ("complete_scatter", "update", None),
+        ):
             start = trace.start(name, first, msg.index)
             current.append((name, msg.index, kind))
             try:
@@ -84,10 +87,17 @@ def trace_step(optimizer) -> Iterator[Trace]:
         launched = time.perf_counter()
         recv, work = exchange(group, send, send_splits, recv_splits, remote)
         name, chunk, kind = current[-1] if current else ("", -1, None)
-        flight = dict(pipeline=name, chunk=chunk, kind=kind, launched=launched, completed=None,
-                      bytes=(sum(send_splits) - send_splits[group.rank]) * send.element_size())
+        flight = dict(
+            pipeline=name,
+            chunk=chunk,
+            kind=kind,
+            launched=launched,
+            completed=None,
+            bytes=(sum(send_splits) - send_splits[group.rank]) * send.element_size(),
+        )
         trace.flights.append(flight)
         if work is not None:
+
             def watch(work=work, record=flight):  # wait() would only say when someone waited
                 while not work.is_completed():
                     time.sleep(20e-6)

@@ -74,8 +74,9 @@ def test_scale_model_bytes_match_the_counted_bytes(out, measured):
     assert ("ours_exact", "step() all_to_all") in kinds
     assert ("megatron_duplicated", "step() all_gather") in kinds
     # The command line, on one real-size scenario, with the same validation.
-    data = scale_model.main(["--scenario", "llama3_8b", "--validate", str(out / "optimizer_step.json"),
-                             "--out", str(out)])
+    data = scale_model.main(
+        ["--scenario", "llama3_8b", "--validate", str(out / "optimizer_step.json"), "--out", str(out)]
+    )
     rows = data["predictions"]["llama3_8b"]["schemes"]
     assert all(_positive(r["ratio"]) for r in rows.values())
     # Duplicated runs every TP-sharded matrix whole on each TP rank: more FLOPs than blockwise.
@@ -129,11 +130,17 @@ def test_overlap_trace(out):
 def test_plots_and_docs_regeneration(out, measured, tmp_path):
     pytest.importorskip("matplotlib")
     written = plots.make_all(out)
-    assert {p.name for p in written} >= {"optimizer_step_time.png", "optimizer_step_bytes.png", "optimizer_step_error.png"}
+    assert {p.name for p in written} >= {
+        "optimizer_step_time.png",
+        "optimizer_step_bytes.png",
+        "optimizer_step_error.png",
+    }
     assert all(p.stat().st_size > 1000 for p in written)
     docs = tmp_path / "benchmarks.md"
     shutil.copy(run_all.DOCS, docs)
     run_all.main(["--docs-only", "--out", str(out), "--docs", str(docs)])
     text = docs.read_text()
-    block = text.split("<!-- BEGIN generated: optimizer_step -->", 1)[1].split("<!-- END generated: optimizer_step -->")[0]
+    block = text.split("<!-- BEGIN generated: optimizer_step -->", 1)[1].split(
+        "<!-- END generated: optimizer_step -->"
+    )[0]
     assert "Megatron DistOpt + AdamW" in block and "optimizer_step_time.png" in block

@@ -15,7 +15,6 @@ import sys
 import pytest
 
 from tests.helpers import REPO
-
 from tools.compare_optimizers import iterations_to_reach, read_log, summarize, table
 
 ROOT = REPO
@@ -26,9 +25,28 @@ def test_compare_tiny_gqa(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # CPU everywhere, as the other driver tests
     # --adam-lr below the recipe's min-lr (0.001): the tool lowers AdamW's min-lr to match.
-    cmd = [sys.executable, str(ROOT / "tools" / "compare_optimizers.py"), "--recipe", "tiny_gqa", "--out", str(out),
-           "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1", "--adam-lr", "0.0005",
-           "--data-cache-path", str(tmp_path / "cache"), "--keep-runs", "--", "--seed", "7"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "compare_optimizers.py"),
+        "--recipe",
+        "tiny_gqa",
+        "--out",
+        str(out),
+        "--train-iters",
+        "6",
+        "--eval-interval",
+        "3",
+        "--eval-iters",
+        "1",
+        "--adam-lr",
+        "0.0005",
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+        "--keep-runs",
+        "--",
+        "--seed",
+        "7",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "| AdamW |" in proc.stdout and "| Muon |" in proc.stdout
@@ -45,7 +63,9 @@ def test_compare_tiny_gqa(tmp_path):
         assert len(data["curves"][opt]["train"]) == 6
     assert data["target_valid_loss"] == data["summary"]["adam"]["final_valid_loss"]
     assert data["summary"]["adam"]["iters_to_adam_final_valid"] is not None  # AdamW reaches its own final loss
-    assert (out / "runs" / "adam.log").is_file() and "[after training is done]" in (out / "runs" / "muon.log").read_text()
+    assert (out / "runs" / "adam.log").is_file() and "[after training is done]" in (
+        out / "runs" / "muon.log"
+    ).read_text()
 
 
 def test_iterations_to_reach_interpolates():
@@ -59,16 +79,20 @@ def test_iterations_to_reach_interpolates():
 
 
 def test_read_log_summarize_and_table():
-    line = (" [2026-11-23 21:36:29.672696] iteration {i:8d}/      12 | consumed samples: {c:12d} | elapsed time per "
-            "iteration (ms): 80.0 | learning rate: {lr:.6E} | global batch size:     8 | lm loss: {loss:.6E} | "
-            "loss scale: 1.0 | grad norm: 3.105 | number of skipped iterations: {skip:3d} | number of nan iterations:   0 |")
+    line = (
+        " [2026-11-23 21:36:29.672696] iteration {i:8d}/      12 | consumed samples: {c:12d} | elapsed time per "
+        "iteration (ms): 80.0 | learning rate: {lr:.6E} | global batch size:     8 | lm loss: {loss:.6E} | "
+        "loss scale: 1.0 | grad norm: 3.105 | number of skipped iterations: {skip:3d} | number of nan iterations:   0 |"
+    )
     lines = ["  seq_length ...................................... 64"]
     lines += [line.format(i=i, c=8 * i, lr=0.01 * min(i, 2) / 2, loss=6.0 - 0.1 * i, skip=0) for i in range(1, 13)]
     lines += [line.format(i=12, c=96, lr=0.01, loss=float("nan"), skip=1)]  # skipped: left out
-    lines += [" validation loss at iteration 6 | lm loss value: 6.000000E+00 | lm loss PPL: 4.0E+02 | ",
-              " validation loss at iteration 12 | lm loss value: 5.000000E+00 | lm loss PPL: 1.4E+02 | ",
-              " validation loss at iteration 12 on validation set | lm loss value: 5.000000E+00 | ",  # same point
-              " validation loss at iteration 12 on test set | lm loss value: 1.000000E+00 | "]
+    lines += [
+        " validation loss at iteration 6 | lm loss value: 6.000000E+00 | lm loss PPL: 4.0E+02 | ",
+        " validation loss at iteration 12 | lm loss value: 5.000000E+00 | lm loss PPL: 1.4E+02 | ",
+        " validation loss at iteration 12 on validation set | lm loss value: 5.000000E+00 | ",  # same point
+        " validation loss at iteration 12 on test set | lm loss value: 1.000000E+00 | ",
+    ]
     train, valid, peak_lr, speed = read_log("\n".join(lines))
     assert [it for it, _ in train] == list(range(1, 13)) and valid == [(6, 6.0), (12, 5.0)] and peak_lr == 0.01
     assert speed == [pytest.approx(8 * 64 / 0.08)] * 12
@@ -102,8 +126,8 @@ def test_variants_are_driver_flags(tmp_path):
 
     args, _ = parse_args(["--out", str(tmp_path), "--variants", "vr", "cautious"])
     assert args.variants == ["vr", "cautious"]
-    for name, (_, _, flags) in VARIANTS.items():
+    for _, _, flags in VARIANTS.values():
         cmd = driver_command("muon", tmp_path, "tiny_gqa", extra=flags)
-        assert cmd[-len(flags):] == flags
+        assert cmd[-len(flags) :] == flags
     got = run_distributed(_variant_configs, 1, {n: v[2] for n, v in VARIANTS.items()}, timeout_s=200)[0]
     assert got == {"vr": (0.95, False), "cautious": (None, True)}

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from megatron_muon.integrity import write_manifest
-from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
+from megatron_muon.testing import run_distributed
 from tests.helpers import REPO
 from tests.helpers.training import GBS, MBS, build
 
@@ -97,7 +97,10 @@ def _load_megatron_adam_and_train(path):
     for sub in opt.chained_optimizers:
         sub._init_optimizer_states_with_dummy_values()
     model_sd = {"model0": unwrap(model[0]).sharded_state_dict()}
-    state = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=FULLY_RESHARDABLE)}
+    state = {
+        "model": model_sd,
+        "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=FULLY_RESHARDABLE),
+    }
     loaded = dist_checkpointing.load(state, path)
     unwrap(model[0]).load_state_dict(loaded["model"]["model0"])
     opt.load_state_dict(loaded["optimizer"])
@@ -121,7 +124,8 @@ def convert(*args) -> str:
     """Run tools/convert_checkpoint.py as a user would; returns its stdout."""
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *args],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
@@ -142,7 +146,9 @@ def test_adam_to_muon_and_back(tmp_path):
     # And back: our own checkpoint becomes one Megatron's optimizer loads and trains from.
     ours, adam_again = str(tmp_path / "ours"), str(tmp_path / "adam_again")
     weights = run_distributed(_save_muon, 2, ours)
-    assert "exp_avg_sq of 4 former Muon matrices is zero" in convert("muon-to-adam", ours, adam_again, "--exp-avg", "momentum")
+    assert "exp_avg_sq of 4 former Muon matrices is zero" in convert(
+        "muon-to-adam", ours, adam_again, "--exp-avg", "momentum"
+    )
     assert "fully_reshardable" in convert("inspect", adam_again)
     ranks = run_distributed(_load_megatron_adam_and_train, 2, latest(adam_again))
     assert _same(weights, [r["weights"] for r in ranks])
@@ -260,8 +266,11 @@ def test_experts_says_which_format_it_needs(tmp_path):
     listed = tmp_path / "listed.pt"
     torch.save({"model": [torch.zeros(2)]}, listed)
     for src, says in ((tmp_path, "is a directory. torch_dist checkpoints"), (listed, "is a list, not a state dict")):
-        done = subprocess.run(run + [str(src), str(tmp_path / "out.pt"), "--to", "sequential", "--num-experts", "2"],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            run + [str(src), str(tmp_path / "out.pt"), "--to", "sequential", "--num-experts", "2"],
+            capture_output=True,
+            text=True,
+        )
         assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
     assert not (tmp_path / "out.pt").exists()
 
@@ -270,8 +279,17 @@ def test_experts_says_which_format_it_needs(tmp_path):
 # On what tools/pretrain_gpt.py (Megatron-LM's loop) writes
 # ---------------------------------------------------------------------------------------
 
-PRETRAIN = [sys.executable, os.path.join(ROOT, "tools", "pretrain_gpt.py"), "--recipe", "tiny_gqa", "--eval-iters", "0",
-            "--make-vocab-size-divisible-by", "256", "--dist-ckpt-optim-fully-reshardable"]
+PRETRAIN = [
+    sys.executable,
+    os.path.join(ROOT, "tools", "pretrain_gpt.py"),
+    "--recipe",
+    "tiny_gqa",
+    "--eval-iters",
+    "0",
+    "--make-vocab-size-divisible-by",
+    "256",
+    "--dist-ckpt-optim-fully-reshardable",
+]
 
 
 def pretrain(*args: str) -> str:
@@ -290,14 +308,18 @@ def tree(root) -> dict:
         for name in files:
             path = os.path.join(dirpath, name)
             with open(path, "rb") as f:
-                out[os.path.relpath(path, root)] = (os.path.getsize(path), os.stat(path).st_mtime_ns,
-                                                    hashlib.sha256(f.read()).hexdigest())
+                out[os.path.relpath(path, root)] = (
+                    os.path.getsize(path),
+                    os.stat(path).st_mtime_ns,
+                    hashlib.sha256(f.read()).hexdigest(),
+                )
     return out
 
 
 def converter(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *args],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *args], capture_output=True, text=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -305,10 +327,30 @@ def driver_checkpoints(tmp_path_factory):
     """Checkpoints written by tools/pretrain_gpt.py: AdamW (iterations 2, 4) and Muon (3, 6)."""
     root = tmp_path_factory.mktemp("driver")
     cache = str(root / "cache")
-    pretrain("--optimizer", "adam", "--train-iters", "4", "--save", str(root / "adam"), "--save-interval", "2",
-             "--data-cache-path", cache)
-    pretrain("--optimizer", "muon", "--train-iters", "6", "--save", str(root / "muon"), "--save-interval", "3",
-             "--data-cache-path", cache)
+    pretrain(
+        "--optimizer",
+        "adam",
+        "--train-iters",
+        "4",
+        "--save",
+        str(root / "adam"),
+        "--save-interval",
+        "2",
+        "--data-cache-path",
+        cache,
+    )
+    pretrain(
+        "--optimizer",
+        "muon",
+        "--train-iters",
+        "6",
+        "--save",
+        str(root / "muon"),
+        "--save-interval",
+        "3",
+        "--data-cache-path",
+        cache,
+    )
     return root
 
 
@@ -321,13 +363,35 @@ def test_driver_checkpoints_convert_and_resume_both_ways(driver_checkpoints, tmp
     stats = converter("adam-to-muon", str(root / "adam"), str(tmp_path / "muon"))
     assert stats.returncode == 0 and "'muon_matrices': 4" in stats.stdout, stats.stderr[-2000:]
     assert (tmp_path / "muon" / "latest_checkpointed_iteration.txt").read_text() == "4"
-    out = pretrain("--optimizer", "muon", "--train-iters", "6", "--override-opt_param-scheduler", "--load", str(tmp_path / "muon"),
-                   "--save", str(tmp_path / "muon"), "--save-interval", "6", "--data-cache-path", cache)
+    out = pretrain(
+        "--optimizer",
+        "muon",
+        "--train-iters",
+        "6",
+        "--override-opt_param-scheduler",
+        "--load",
+        str(tmp_path / "muon"),
+        "--save",
+        str(tmp_path / "muon"),
+        "--save-interval",
+        "6",
+        "--data-cache-path",
+        cache,
+    )
     assert "successfully loaded checkpoint" in out and "at iteration 4" in out and "iteration        6/" in out
     back = converter("muon-to-adam", str(tmp_path / "muon"), str(tmp_path / "adam"))
     assert back.returncode == 0 and "iter_0000006" in back.stdout, back.stderr[-2000:]
-    out = pretrain("--optimizer", "adam", "--train-iters", "8", "--override-opt_param-scheduler",
-                   "--load", str(tmp_path / "adam"), "--data-cache-path", cache)
+    out = pretrain(
+        "--optimizer",
+        "adam",
+        "--train-iters",
+        "8",
+        "--override-opt_param-scheduler",
+        "--load",
+        str(tmp_path / "adam"),
+        "--data-cache-path",
+        cache,
+    )
     loss = re.search(r"iteration        8/ .*?\| lm loss: ([0-9.E+-]+) \|", out)
     assert "at iteration 6" in out and loss and math.isfinite(float(loss.group(1)))
     # The source of each conversion is untouched; a wrong direction says the right one.
@@ -345,7 +409,12 @@ def test_converter_never_loses_data(driver_checkpoints, tmp_path):
     ckpt = tmp_path / "CKPT"
     shutil.copytree(driver_checkpoints / "muon", ckpt)
     before = tree(ckpt)
-    for src, dst in ((ckpt / "iter_0000006", ckpt), (ckpt, ckpt), (ckpt, ckpt / "converted"), (ckpt / "iter_0000006", ckpt / "iter_0000006")):
+    for src, dst in (
+        (ckpt / "iter_0000006", ckpt),
+        (ckpt, ckpt),
+        (ckpt, ckpt / "converted"),
+        (ckpt / "iter_0000006", ckpt / "iter_0000006"),
+    ):
         done = converter("muon-to-adam", str(src), str(dst))
         assert done.returncode == 2 and "the source" in done.stderr, (src, dst, done.stderr[-2000:])
         assert tree(ckpt) == before
@@ -358,7 +427,10 @@ def test_converter_never_loses_data(driver_checkpoints, tmp_path):
     assert refused.returncode == 2 and "--overwrite" in refused.stderr and tree(out) == first
     assert converter("muon-to-adam", str(ckpt), str(out), "--overwrite").returncode == 0
     assert (out / "mine.txt").read_text() == "the user's" and sorted(os.listdir(out)) == [
-        "iter_0000006", "latest_checkpointed_iteration.txt", "mine.txt"]
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+        "mine.txt",
+    ]
     assert tree(ckpt) == before
 
 
@@ -380,8 +452,13 @@ def _kill_when_written(*args: str) -> None:
     """SIGKILL the converter's whole process group (as a job scheduler does) once it has
     written its tensors: dist-checkpointing's writer processes die with it instead of
     outliving the test."""
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_DURING_WRITE, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_DURING_WRITE, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in proc.stdout:
             if "WRITTEN" in line:

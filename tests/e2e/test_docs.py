@@ -29,8 +29,12 @@ def test_shell_block_runs(block, tmp_path):
     env["MEGATRON_MUON_BENCH_OUT"] = str(tmp_path / "bench")
     env.setdefault("PYTHONWARNINGS", "ignore")
     result = subprocess.run(
-        ["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=230,
+        ["bash", "-e", "-o", "pipefail", "-c", block.text],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=230,
     )
     assert result.returncode == 0, (
         f"{block.id} failed ({result.returncode}):\n{block.text}\n--- stdout\n{result.stdout[-3000:]}\n"

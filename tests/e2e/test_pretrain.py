@@ -24,8 +24,18 @@ from tests.helpers import REPO
 ROOT = REPO
 PRETRAIN = [sys.executable, str(ROOT / "tools" / "pretrain_gpt.py")]
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-TWO_RANKS = [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-             "--rdzv-endpoint", "127.0.0.1:0", str(ROOT / "tools" / "pretrain_gpt.py")]
+TWO_RANKS = [
+    TORCHRUN,
+    "--nnodes",
+    "1",
+    "--nproc-per-node",
+    "2",
+    "--rdzv-backend",
+    "c10d",
+    "--rdzv-endpoint",
+    "127.0.0.1:0",
+    str(ROOT / "tools" / "pretrain_gpt.py"),
+]
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 BUILT, DONE = "[after model, optimizer, and learning rate scheduler are built]", "[after training is done]"
@@ -71,8 +81,10 @@ def validation(stdout: str) -> Dict[int, float]:
 
 def tensors_finite(path: Path) -> bool:
     """Every floating-point tensor of a torch_dist checkpoint is finite (read in a fresh process)."""
-    code = ("import sys, torch; from megatron_muon.megatron_lm.convert import read_checkpoint; c = read_checkpoint(sys.argv[1]); "
-            "print(all(torch.isfinite(t).all() for t in c.tensors.values() if t.is_floating_point()))")
+    code = (
+        "import sys, torch; from megatron_muon.megatron_lm.convert import read_checkpoint; c = read_checkpoint(sys.argv[1]); "
+        "print(all(torch.isfinite(t).all() for t in c.tensors.values() if t.is_floating_point()))"
+    )
     return run([sys.executable, "-c", code, str(path)]).strip().splitlines()[-1] == "True"
 
 
@@ -98,17 +110,29 @@ def test_readme_first_command():
 # Checkpoints: Megatron-LM's --save / --load
 # ---------------------------------------------------------------------------------------
 
-COMMON = ["--recipe", "tiny_gqa", "--train-iters", "6", "--eval-interval", "3", "--eval-iters", "1",
-          # Pads the vocabulary alike at TP1 and TP2; lets Megatron-LM load at another TP.
-          "--make-vocab-size-divisible-by", "256", "--dist-ckpt-optim-fully-reshardable"]
+COMMON = [
+    "--recipe",
+    "tiny_gqa",
+    "--train-iters",
+    "6",
+    "--eval-interval",
+    "3",
+    "--eval-iters",
+    "1",
+    # Pads the vocabulary alike at TP1 and TP2; lets Megatron-LM load at another TP.
+    "--make-vocab-size-divisible-by",
+    "256",
+    "--dist-ckpt-optim-fully-reshardable",
+]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(cache, tmp_path_factory):
     """6 iterations of tiny_gqa (Muon), one rank, saving at 3 and 6."""
     out = tmp_path_factory.mktemp("run")
-    stdout = run(PRETRAIN + COMMON + ["--data-cache-path", str(cache), "--save", str(out / "ckpt"),
-                                      "--save-interval", "3"])
+    stdout = run(
+        PRETRAIN + COMMON + ["--data-cache-path", str(cache), "--save", str(out / "ckpt"), "--save-interval", "3"]
+    )
     return dict(stdout=stdout, ckpt=out / "ckpt")
 
 
@@ -132,26 +156,49 @@ def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cac
     assert validation(same)[6] == validation(uninterrupted["stdout"])[6]
     tp2 = run(TWO_RANKS + resume + ["--tensor-model-parallel-size", "2"], timeout=300)
     assert "tensor-model-parallel size: 2" in tp2
-    assert abs(losses(tp2)[6] - full[6]) < 2e-2 and abs(validation(tp2)[6] - validation(uninterrupted["stdout"])[6]) < 2e-2
+    assert (
+        abs(losses(tp2)[6] - full[6]) < 2e-2 and abs(validation(tp2)[6] - validation(uninterrupted["stdout"])[6]) < 2e-2
+    )
 
 
 def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_path):
     save = tmp_path / "save"
-    proc = launch(PRETRAIN + ["--recipe", "tiny_gqa", "--train-iters", "3", "--data-cache-path", str(cache),
-                              "--load", str(tmp_path / "typo"), "--exit-on-missing-checkpoint",
-                              "--save", str(save), "--save-interval", "1"])
+    proc = launch(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_gqa",
+            "--train-iters",
+            "3",
+            "--data-cache-path",
+            str(cache),
+            "--load",
+            str(tmp_path / "typo"),
+            "--exit-on-missing-checkpoint",
+            "--save",
+            str(save),
+            "--save-interval",
+            "1",
+        ]
+    )
     assert proc.returncode != 0
     assert not save.exists() or not any(save.iterdir()), list(save.iterdir())
     assert "iteration        1/" not in proc.stdout  # no training step ran
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
-    (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
-    (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
-    # a bare assert of Megatron-LM's validation: its source line names the argument
-    (["--recipe", "tiny_gqa", "--save", "ckpt_never_written"], "check `assert args.save_interval is not None` failed"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
+        (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
+        (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
+        # a bare assert of Megatron-LM's validation: its source line names the argument
+        (
+            ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
+            "check `assert args.save_interval is not None` failed",
+        ),
+    ],
+)
 def test_bad_input_one_line_exit_2_before_any_model(argv, says):
     proc = launch(PRETRAIN + argv, timeout=120)
     lines = proc.stderr.strip().splitlines()
@@ -162,8 +209,10 @@ def test_bad_input_one_line_exit_2_before_any_model(argv, says):
 
 def test_console_script_runs_the_tool():
     """``megatron-muon-pretrain`` (setup.py's entry point) runs tools/pretrain_gpt.py."""
-    code = ("import sys; from megatron_muon.megatron_lm.launch import console_main; "
-            "sys.argv = ['megatron-muon-pretrain', '--recipe', 'no_such_recipe']; console_main()")
+    code = (
+        "import sys; from megatron_muon.megatron_lm.launch import console_main; "
+        "sys.argv = ['megatron-muon-pretrain', '--recipe', 'no_such_recipe']; console_main()"
+    )
     proc = launch([sys.executable, "-c", code], timeout=120)
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2 and last.startswith("pretrain_gpt.py: error: unknown recipe"), proc.stderr[-2000:]
@@ -174,18 +223,71 @@ def test_megatron_lm_example_launch_line(tmp_path):
     schedule, selective recompute, NullTokenizer, mock data), tiny sizes, with its optimizer
     offload flags; plus --optimizer muon and --muon-cpu-offload (bf16: the Muon masters go
     to the CPU too)."""
-    stdout = run(PRETRAIN + [
-        "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-        "--seq-length", "64", "--max-position-embeddings", "64", "--attention-backend", "auto",
-        "--micro-batch-size", "2", "--global-batch-size", "4", "--train-samples", "24",
-        "--lr-decay-samples", "16", "--lr-warmup-samples", "4", "--lr", "6.0e-3", "--min-lr", "6.0e-4",
-        "--lr-decay-style", "cosine", "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
-        "--adam-beta2", "0.95", "--init-method-std", "0.006", "--recompute-activations", "--bf16",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000", "--mock-data", "--split", "949,50,1",
-        "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
-        "--optimizer-cpu-offload", "--use-precision-aware-optimizer",
-        "--optimizer", "muon", "--use-distributed-optimizer", "--muon-cpu-offload",
-    ])
+    stdout = run(
+        PRETRAIN
+        + [
+            "--use-mcore-models",
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            "64",
+            "--attention-backend",
+            "auto",
+            "--micro-batch-size",
+            "2",
+            "--global-batch-size",
+            "4",
+            "--train-samples",
+            "24",
+            "--lr-decay-samples",
+            "16",
+            "--lr-warmup-samples",
+            "4",
+            "--lr",
+            "6.0e-3",
+            "--min-lr",
+            "6.0e-4",
+            "--lr-decay-style",
+            "cosine",
+            "--clip-grad",
+            "1.0",
+            "--weight-decay",
+            "0.1",
+            "--adam-beta1",
+            "0.9",
+            "--adam-beta2",
+            "0.95",
+            "--init-method-std",
+            "0.006",
+            "--recompute-activations",
+            "--bf16",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "1000",
+            "--mock-data",
+            "--split",
+            "949,50,1",
+            "--log-interval",
+            "1",
+            "--eval-interval",
+            "3",
+            "--eval-iters",
+            "1",
+            "--optimizer-cpu-offload",
+            "--use-precision-aware-optimizer",
+            "--optimizer",
+            "muon",
+            "--use-distributed-optimizer",
+            "--muon-cpu-offload",
+        ]
+    )
     assert BUILT in stdout and DONE in stdout and sorted(losses(stdout)) == list(range(1, 7))
 
 
@@ -195,9 +297,29 @@ def test_non_finite_step_exits_non_zero_and_latest_stays_finite(cache, tmp_path,
     (--check-for-nan-in-loss-and-grad, on by default) stops the job with a non-zero code;
     every checkpoint on disk, "latest" included, is finite."""
     ckpt = tmp_path / "ckpt"
-    proc = launch(PRETRAIN + ["--recipe", "tiny_moe", "--optimizer", optimizer, "--lr", "1e30", "--min-lr", "1e29",
-                              "--train-iters", "8", "--data-cache-path", str(cache), "--eval-iters", "0",
-                              "--save", str(ckpt), "--save-interval", "2"])
+    proc = launch(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_moe",
+            "--optimizer",
+            optimizer,
+            "--lr",
+            "1e30",
+            "--min-lr",
+            "1e29",
+            "--train-iters",
+            "8",
+            "--data-cache-path",
+            str(cache),
+            "--eval-iters",
+            "0",
+            "--save",
+            str(ckpt),
+            "--save-interval",
+            "2",
+        ]
+    )
     assert proc.returncode != 0 and "found NaN" in proc.stdout + proc.stderr, proc.stdout[-2000:]
     latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert latest < 8 and (ckpt / f"iter_{latest:07d}").is_dir()
@@ -217,12 +339,37 @@ def test_preprocess_then_data_path_and_small_corpus_split(cache, tmp_path):
     src = tmp_path / "corpus.jsonl"
     with open(src, "w") as f:
         for i in range(120):
-            f.write(json.dumps({"text": f"Record {i}: " + "pack my box with five dozen liquor jugs. " * (1 + i % 4)}) + "\n")
-    run([sys.executable, str(ROOT / "tools" / "preprocess_data.py"), "--input", str(src), "--json-keys", "text",
-         "--output-prefix", str(tmp_path / "data" / "corpus"), "--append-eod"])
+            f.write(
+                json.dumps({"text": f"Record {i}: " + "pack my box with five dozen liquor jugs. " * (1 + i % 4)}) + "\n"
+            )
+    run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "preprocess_data.py"),
+            "--input",
+            str(src),
+            "--json-keys",
+            "text",
+            "--output-prefix",
+            str(tmp_path / "data" / "corpus"),
+            "--append-eod",
+        ]
+    )
     prefix = str(tmp_path / "data" / "corpus_text_document")
-    common = PRETRAIN + ["--recipe", "tiny_moe", "--train-iters", "8", "--data-path", prefix,
-                         "--data-cache-path", str(cache), "--eval-iters", "1", "--eval-interval", "8"]
+    common = PRETRAIN + [
+        "--recipe",
+        "tiny_moe",
+        "--train-iters",
+        "8",
+        "--data-path",
+        prefix,
+        "--data-cache-path",
+        str(cache),
+        "--eval-iters",
+        "1",
+        "--eval-interval",
+        "8",
+    ]
     stuck = launch(common, timeout=150)
     assert stuck.returncode != 0 and "the test split of" in stuck.stderr and "--split" in stuck.stderr
     trained = losses(run(common + ["--split", "90,8,2"]))
@@ -241,12 +388,35 @@ def _read_recipes(recipe_file: str) -> dict:
     from tools.bench import sizing
 
     out: dict = {}
-    a = validated_args(["--recipe", "tiny_gqa", "--num-layers", "3", "--lr", "0.02", "--no-muon-nesterov",
-                        "--muon-tp-mode", "distributed", "--muon-ns-dtype", "fp32"], world_size=2)
+    a = validated_args(
+        [
+            "--recipe",
+            "tiny_gqa",
+            "--num-layers",
+            "3",
+            "--lr",
+            "0.02",
+            "--no-muon-nesterov",
+            "--muon-tp-mode",
+            "distributed",
+            "--muon-ns-dtype",
+            "fp32",
+        ],
+        world_size=2,
+    )
     cfg = muon_config_from_megatron(a)
-    out["tiny_gqa"] = dict(layers=a.num_layers, lr=a.lr, hidden=a.hidden_size, swiglu=a.swiglu, dp=a.data_parallel_size,
-                           nesterov=cfg.muon_nesterov, tp_mode=cfg.muon_tp_mode, ns_dtype=str(cfg.muon_ns_dtype),
-                           optimizer=a.optimizer, groups=a.num_query_groups)
+    out["tiny_gqa"] = dict(
+        layers=a.num_layers,
+        lr=a.lr,
+        hidden=a.hidden_size,
+        swiglu=a.swiglu,
+        dp=a.data_parallel_size,
+        nesterov=cfg.muon_nesterov,
+        tp_mode=cfg.muon_tp_mode,
+        ns_dtype=str(cfg.muon_ns_dtype),
+        optimizer=a.optimizer,
+        groups=a.num_query_groups,
+    )
     a = validated_args(["--recipe", recipe_file])
     out["file"] = dict(nesterov=a.muon_nesterov, bias=a.add_bias_linear, data_path=a.data_path, ffn=a.ffn_hidden_size)
     for name, (world, _, _) in REAL.items():
@@ -260,12 +430,24 @@ def test_recipes_through_megatron_lm_arguments(tmp_path):
     from megatron_muon.testing import run_distributed
 
     recipe = tmp_path / "mine.yaml"
-    recipe.write_text("num_layers: 2\nhidden_size: 32\nnum-attention-heads: 2\nseq_length: 16\nmax-position-embeddings: 16\n"
-                      "micro_batch_size: 2\ntrain_iters: 5\nlr: 1.0e-3\nmuon_nesterov: false\nadd_bias_linear: false\n"
-                      "data-path: [a, b]\nsplit: 90,8,2\n")
+    recipe.write_text(
+        "num_layers: 2\nhidden_size: 32\nnum-attention-heads: 2\nseq_length: 16\nmax-position-embeddings: 16\n"
+        "micro_batch_size: 2\ntrain_iters: 5\nlr: 1.0e-3\nmuon_nesterov: false\nadd_bias_linear: false\n"
+        "data-path: [a, b]\nsplit: 90,8,2\n"
+    )
     got = run_distributed(_read_recipes, 1, str(recipe), timeout_s=200)[0]
-    assert got["tiny_gqa"] == dict(layers=3, lr=0.02, hidden=64, swiglu=True, dp=2, nesterov=False, tp_mode="exact",
-                                   ns_dtype="torch.float32", optimizer="muon", groups=2)
+    assert got["tiny_gqa"] == dict(
+        layers=3,
+        lr=0.02,
+        hidden=64,
+        swiglu=True,
+        dp=2,
+        nesterov=False,
+        tp_mode="exact",
+        ns_dtype="torch.float32",
+        optimizer="muon",
+        groups=2,
+    )
     assert got["file"] == dict(nesterov=False, bias=False, data_path=["a", "b"], ffn=128)
     for name, (_, total, active) in REAL.items():
         count_total, count_active = got[name]
@@ -296,10 +478,15 @@ def _cpu_patches() -> dict:
         dataset_utils.compile_helpers()  # the wheel ships helpers_cpp: no `make`
     finally:
         sp.run = real_run
-    return dict(on_cpu=on_cpu, make_calls=len(calls), helpers=cpu.helpers_compiled(),
-                init_kwargs=dict(getattr(training.initialize_megatron, "keywords", {})),
-                arch=arguments.get_device_arch_version(), max_conn=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
-                idempotent=cpu.install() is True and training.initialize_megatron.func.__name__ == "initialize_megatron")
+    return dict(
+        on_cpu=on_cpu,
+        make_calls=len(calls),
+        helpers=cpu.helpers_compiled(),
+        init_kwargs=dict(getattr(training.initialize_megatron, "keywords", {})),
+        arch=arguments.get_device_arch_version(),
+        max_conn=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
+        idempotent=cpu.install() is True and training.initialize_megatron.func.__name__ == "initialize_megatron",
+    )
 
 
 def test_cpu_patches_each_do_their_one_thing():
@@ -310,5 +497,12 @@ def test_cpu_patches_each_do_their_one_thing():
     if torch.cuda.is_available():
         pytest.skip("checks the CPU path")
     got = run_distributed(_cpu_patches, 1, timeout_s=120)[0]
-    assert got == dict(on_cpu=True, make_calls=0, helpers=True, init_kwargs={"allow_no_cuda": True}, arch=0,
-                       max_conn="1", idempotent=True)
+    assert got == dict(
+        on_cpu=True,
+        make_calls=0,
+        helpers=True,
+        init_kwargs={"allow_no_cuda": True},
+        arch=0,
+        max_conn="1",
+        idempotent=True,
+    )

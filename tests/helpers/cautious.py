@@ -21,14 +21,20 @@ def train_recording_masks(spec_kwargs: dict, overrides: dict, steps: int = STEPS
 
     spec = M.TinyModelSpec(**spec_kwargs)
     chunks, model, opt, sched = build(spec, **overrides)
-    masters = [(s.master, s.param, s.start) for o in opt.muon_optimizers for s in o.shard_map
-               if s.master is not None and id(s.param) in o.muon_param_ids]
+    masters = [
+        (s.master, s.param, s.start)
+        for o in opt.muon_optimizers
+        for s in o.shard_map
+        if s.master is not None and id(s.param) in o.muon_param_ids
+    ]
     local: Dict[int, torch.Tensor] = {}
     original = pipeline.decay_and_update_
 
     def recording(master, update, lr, wd, cautious):
         if cautious:
-            owner, param, start = next(m for m in masters if 0 <= master.data_ptr() - m[0].data_ptr() < m[0].numel() * 4)
+            owner, param, start = next(
+                m for m in masters if 0 <= master.data_ptr() - m[0].data_ptr() < m[0].numel() * 4
+            )
             offset = start + (master.data_ptr() - owner.data_ptr()) // 4
             mask = local.setdefault(id(param), torch.full((param.numel(),), -1.0))
             mask[offset : offset + master.numel()] = ((update.to(master.device) * master) >= 0).float()

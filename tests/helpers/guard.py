@@ -31,35 +31,50 @@ SPLIT_MODEL = dict(kind="gqa", num_layers=1, ffn_hidden_size=512)
 
 # (layout name) -> (world size, run_distributed layout, {run name: (model spec, optimizer overrides)})
 RUNS = {
-    "DP2xTP2": (4, dict(tp=2), {
-        "gqa_qk": (GQA_QK, {}),
-        "gqa_qk_chunks": (GQA_QK, CHUNKS),
-        "gqa_qk_offload": (GQA_QK, OFFLOAD),
-        "gqa_qk_vr": (GQA_QK, VR),
-        "gqa_qk_cautious": (GQA_QK, CAUTIOUS),
-        "gqa_qk_vr_cautious_chunks": (GQA_QK, dict(VR, **CAUTIOUS, **CHUNKS)),
-        "gqa_qk_vr_cautious_offload": (GQA_QK, dict(VR, **CAUTIOUS, **OFFLOAD)),
-        "gqa_megatron_layout": (dict(kind="gqa"), dict(muon_buffer_layout="megatron", **CHUNKS)),
-        "gqa_duplicated_chunks": (dict(kind="gqa"), dict(muon_tp_mode="duplicated", **CHUNKS)),
-        "gqa_duplicated_offload": (dict(kind="gqa"), dict(muon_tp_mode="duplicated", **OFFLOAD)),
-        "gqa_blockwise": (dict(kind="gqa"), dict(muon_tp_mode="blockwise")),
-        "gqa_gram_head_glu": (dict(kind="gqa"), dict(muon_ns_method="gram", muon_qkv_granularity="head", muon_split_glu=True)),
-        "mla_qk": (dict(kind="mla", extra=QK), {}),
-        "bf16_cautious_chunks": (dict(GQA_QK, bf16=True), dict(CAUTIOUS, **CHUNKS)),
-        "bf16_cautious_masters_offload": (dict(GQA_QK, bf16=True), dict(MASTER_OFFLOAD, **CAUTIOUS, **CHUNKS)),
-    }),
-    "DP2xEP2": (4, dict(ep=2), {
-        "moe": (dict(kind="moe"), {}),
-        "moe_vr_chunks": (dict(kind="moe"), dict(VR, **CHUNKS)),
-        "moe_vr_offload": (dict(kind="moe"), dict(VR, **OFFLOAD)),
-        "moe_cautious": (dict(kind="moe"), CAUTIOUS),
-        "moe_megatron_layout": (dict(kind="moe"), dict(muon_buffer_layout="megatron")),
-        "moe_no_overlap": (dict(kind="moe"), dict(muon_overlap_expert_ns=False, **CHUNKS)),
-    }),
-    "DP4-split": (4, dict(), {
-        "split_ns": (SPLIT_MODEL, FREE_LINKS),
-        "split_ns_vr": (SPLIT_MODEL, dict(FREE_LINKS, **VR)),
-    }),
+    "DP2xTP2": (
+        4,
+        dict(tp=2),
+        {
+            "gqa_qk": (GQA_QK, {}),
+            "gqa_qk_chunks": (GQA_QK, CHUNKS),
+            "gqa_qk_offload": (GQA_QK, OFFLOAD),
+            "gqa_qk_vr": (GQA_QK, VR),
+            "gqa_qk_cautious": (GQA_QK, CAUTIOUS),
+            "gqa_qk_vr_cautious_chunks": (GQA_QK, dict(VR, **CAUTIOUS, **CHUNKS)),
+            "gqa_qk_vr_cautious_offload": (GQA_QK, dict(VR, **CAUTIOUS, **OFFLOAD)),
+            "gqa_megatron_layout": (dict(kind="gqa"), dict(muon_buffer_layout="megatron", **CHUNKS)),
+            "gqa_duplicated_chunks": (dict(kind="gqa"), dict(muon_tp_mode="duplicated", **CHUNKS)),
+            "gqa_duplicated_offload": (dict(kind="gqa"), dict(muon_tp_mode="duplicated", **OFFLOAD)),
+            "gqa_blockwise": (dict(kind="gqa"), dict(muon_tp_mode="blockwise")),
+            "gqa_gram_head_glu": (
+                dict(kind="gqa"),
+                dict(muon_ns_method="gram", muon_qkv_granularity="head", muon_split_glu=True),
+            ),
+            "mla_qk": (dict(kind="mla", extra=QK), {}),
+            "bf16_cautious_chunks": (dict(GQA_QK, bf16=True), dict(CAUTIOUS, **CHUNKS)),
+            "bf16_cautious_masters_offload": (dict(GQA_QK, bf16=True), dict(MASTER_OFFLOAD, **CAUTIOUS, **CHUNKS)),
+        },
+    ),
+    "DP2xEP2": (
+        4,
+        dict(ep=2),
+        {
+            "moe": (dict(kind="moe"), {}),
+            "moe_vr_chunks": (dict(kind="moe"), dict(VR, **CHUNKS)),
+            "moe_vr_offload": (dict(kind="moe"), dict(VR, **OFFLOAD)),
+            "moe_cautious": (dict(kind="moe"), CAUTIOUS),
+            "moe_megatron_layout": (dict(kind="moe"), dict(muon_buffer_layout="megatron")),
+            "moe_no_overlap": (dict(kind="moe"), dict(muon_overlap_expert_ns=False, **CHUNKS)),
+        },
+    ),
+    "DP4-split": (
+        4,
+        dict(),
+        {
+            "split_ns": (SPLIT_MODEL, FREE_LINKS),
+            "split_ns_vr": (SPLIT_MODEL, dict(FREE_LINKS, **VR)),
+        },
+    ),
 }
 
 OFFLOAD_TWINS = {

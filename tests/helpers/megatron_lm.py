@@ -7,12 +7,43 @@ import contextlib
 import io
 import sys
 
-ARGV = ["pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
-        "--num-attention-heads", "4", "--seq-length", "16", "--max-position-embeddings", "16",
-        "--micro-batch-size", "1", "--global-batch-size", "4", "--train-iters", "10", "--lr", "0.02",
-        "--weight-decay", "0.01", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-        "--optimizer", "muon", "--use-distributed-optimizer", "--muon-ns-dtype", "fp32",
-        "--muon-comm-dtype", "fp32"]
+ARGV = [
+    "pretrain_gpt.py",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--max-position-embeddings",
+    "16",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--train-iters",
+    "10",
+    "--lr",
+    "0.02",
+    "--weight-decay",
+    "0.01",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--optimizer",
+    "muon",
+    "--use-distributed-optimizer",
+    "--muon-ns-dtype",
+    "fp32",
+    "--muon-comm-dtype",
+    "fp32",
+]
 
 
 def parse_and_validate(arguments, argv):

@@ -44,9 +44,17 @@ def scheduler(optimizer, cfg):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
-        optimizer, init_lr=cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=0,
-        lr_decay_steps=100, lr_decay_style="constant", start_wd=cfg.weight_decay,
-        end_wd=cfg.weight_decay, wd_incr_steps=100, wd_incr_style="constant",
+        optimizer,
+        init_lr=cfg.lr,
+        max_lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        lr_warmup_steps=0,
+        lr_decay_steps=100,
+        lr_decay_style="constant",
+        start_wd=cfg.weight_decay,
+        end_wd=cfg.weight_decay,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
     )
 
 
@@ -106,7 +114,9 @@ def reference(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
     spec = M.TinyModelSpec(**spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, steps)
     return {
-        name: M.reference_train(spec, muon_config(spec, **{k: v for k, v in overrides.items() if k != "ddp"}), batches, MBS)
+        name: M.reference_train(
+            spec, muon_config(spec, **{k: v for k, v in overrides.items() if k != "ddp"}), batches, MBS
+        )
         for name, overrides in variants.items()
     }
 

@@ -12,8 +12,16 @@ import torch
 
 from megatron_muon import MuonConfig
 from megatron_muon.multirank_newton_schulz import (
-    GRAM_ROW_BLOCKS, MultirankCost, _gram_row_blocks, _pack_upper, _unpack_symmetric, block_step, gram_upper_numel,
-    member_flops, multirank_traffic, place_multirank_jobs,
+    GRAM_ROW_BLOCKS,
+    MultirankCost,
+    _gram_row_blocks,
+    _pack_upper,
+    _unpack_symmetric,
+    block_step,
+    gram_upper_numel,
+    member_flops,
+    multirank_traffic,
+    place_multirank_jobs,
 )
 from megatron_muon.planner import plan_statistics
 from megatron_muon.testing.synthetic import ParamShape, synthetic_plan
@@ -34,8 +42,10 @@ def test_small_matrices_stay_on_one_rank_at_real_link_speeds():
     # fc1 / fc2 exceed a rank's mean load, but their all-reduces take longer than the FLOPs
     # saved. (Twice as wide, 4096 x 256 now pays: only the Gram matrix's upper triangle is
     # all-reduced, 5.03 GFLOP-equivalent over 8 ranks against 5.54 whole.)
-    shapes = [ParamShape("fc1", (2048, 256), parent_attr="linear_fc1"),
-              ParamShape("fc2", (256, 1024), parent_attr="linear_fc2")]
+    shapes = [
+        ParamShape("fc1", (2048, 256), parent_attr="linear_fc1"),
+        ParamShape("fc2", (256, 1024), parent_attr="linear_fc2"),
+    ]
     shapes += [ParamShape(f"proj{i}", (256, 256), parent_attr="linear_proj") for i in range(8)]
     assert plan_statistics(_plan(shapes, 256, 16, **FREE))["multirank_jobs"] == {"fc1": 8, "fc2": 4}
     assert plan_statistics(_plan(shapes, 256, 16))["multirank_jobs"] == {}
@@ -74,8 +84,15 @@ def _job(index, shape, holders, shard):
 
     segs = [Segment(0, d, i * shard, (i + 1) * shard, i * shard) for i, d in enumerate(holders)]
     matrix = SimpleNamespace(shape=shape, ns_shape=shape, column_groups=1, name=f"m{index}")
-    return Job(index=index, param_index=index, matrix=matrix, sources=segs, dests=segs, owner_tp=None,
-               flops=newton_schulz_flops(*shape, 5))
+    return Job(
+        index=index,
+        param_index=index,
+        matrix=matrix,
+        sources=segs,
+        dests=segs,
+        owner_tp=None,
+        flops=newton_schulz_flops(*shape, 5),
+    )
 
 
 def test_multirank_block_is_the_one_holding_most_of_the_matrix():
@@ -124,7 +141,6 @@ def test_block_step_is_the_polynomial_and_member_flops_counts_it(k, width):
     # A narrow block (width < k) takes b (A X) + c A (A X), a wide one forms A A first: the
     # same polynomial, and member_flops counts the matmuls each one runs.
     from torch.utils.flop_counter import FlopCounterMode
-
 
     gen = torch.Generator().manual_seed(k + width)
     X = torch.randn(k, width, generator=gen, dtype=torch.float64) / 10

@@ -283,7 +283,9 @@ def test_unknown_coefficient_name_raises():
 def test_coefficient_set_object_can_be_passed():
     G, U, V, s = make_matrix(16, 24, 10.0)
     same = CoefficientSet("mine", COEFFICIENT_SETS["polar_express"].steps)
-    torch.testing.assert_close(newton_schulz(G, 5, same, F32), newton_schulz(G, 5, "polar_express", F32), atol=0, rtol=0)
+    torch.testing.assert_close(
+        newton_schulz(G, 5, same, F32), newton_schulz(G, 5, "polar_express", F32), atol=0, rtol=0
+    )
     # The classic cubic Newton–Schulz, 1.5 s - 0.5 s^3, converges to U V^T slowly but surely.
     cubic = CoefficientSet("cubic", ((1.5, -0.5, 0.0),))
     assert cubic.for_step(0) == cubic.for_step(99)

@@ -72,9 +72,11 @@ def offending_imports(root: Path = PACKAGE) -> list:
     offenders = []
     for path in sorted(root.rglob("*.py")):
         forbidden = FORBIDDEN.get(_part(path, root), ())
-        offenders += [f"{path.relative_to(root.parent)}:{line} imports {module}"
-                      for line, module in imported_modules(path, root.parent)
-                      if any(_within(module, f) for f in forbidden)]
+        offenders += [
+            f"{path.relative_to(root.parent)}:{line} imports {module}"
+            for line, module in imported_modules(path, root.parent)
+            if any(_within(module, f) for f in forbidden)
+        ]
     return offenders
 
 

@@ -20,8 +20,15 @@ from megatron_muon.testing.reference import (
 
 
 def _config(**kw) -> MuonConfig:
-    base = dict(lr=0.05, weight_decay=0.1, clip_grad=0.0, adam_beta1=0.9, adam_beta2=0.95,
-                adam_eps=1e-8, muon_ns_dtype=torch.float32)
+    base = dict(
+        lr=0.05,
+        weight_decay=0.1,
+        clip_grad=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+        muon_ns_dtype=torch.float32,
+    )
     base.update(kw)
     return MuonConfig(**base)
 
@@ -57,9 +64,14 @@ def test_two_steps_match_hand_formula_and_torch_adamw(nesterov):
     twin = _Toy()
     twin.load_state_dict(model.state_dict())
     adamw = torch.optim.AdamW(
-        [{"params": [twin.embedding.word_embeddings.weight], "weight_decay": cfg.weight_decay},
-         {"params": [twin.linear_proj.bias, twin.norm.weight], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, foreach=False,
+        [
+            {"params": [twin.embedding.word_embeddings.weight], "weight_decay": cfg.weight_decay},
+            {"params": [twin.linear_proj.bias, twin.norm.weight], "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        foreach=False,
     )
     w, buf, mu = model.linear_proj.weight.detach().clone(), torch.zeros(8, 12), cfg.muon_momentum
     gen_a, gen_b = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
@@ -85,20 +97,28 @@ def test_clipping_and_returned_norm():
     twin.load_state_dict(model.state_dict())
     cfg = _config(clip_grad=0.5, weight_decay=0.0)
     ref = ReferenceMuon(model, cfg)
-    adamw = torch.optim.AdamW([twin.embedding.word_embeddings.weight], lr=cfg.lr,
-                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                              weight_decay=0.0, foreach=False)
+    adamw = torch.optim.AdamW(
+        [twin.embedding.word_embeddings.weight],
+        lr=cfg.lr,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_eps,
+        weight_decay=0.0,
+        foreach=False,
+    )
     _set_grads(model, torch.Generator().manual_seed(3))
     norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
-    twin.embedding.word_embeddings.weight.grad = model.embedding.word_embeddings.weight.grad * (
-        0.5 / (norm + 1e-6))
+    twin.embedding.word_embeddings.weight.grad = model.embedding.word_embeddings.weight.grad * (0.5 / (norm + 1e-6))
     # main_grad, when present, is used instead of grad.
     model.embedding.word_embeddings.weight.main_grad = model.embedding.word_embeddings.weight.grad
     model.embedding.word_embeddings.weight.grad = None
     assert ref.step() == pytest.approx(norm, rel=1e-6)
     adamw.step()
-    torch.testing.assert_close(model.embedding.word_embeddings.weight.detach(),
-                               twin.embedding.word_embeddings.weight.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        model.embedding.word_embeddings.weight.detach(),
+        twin.embedding.word_embeddings.weight.detach(),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 def test_is_muon_matrix_rules():
@@ -121,8 +141,7 @@ def test_is_muon_matrix_rules():
     assert muon("output_layer.weight", c=only) and not muon("a.linear_qkv.weight", c=only)
 
 
-_TC = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=3, hidden_size=5,
-                      gated_linear_unit=True)
+_TC = SimpleNamespace(num_attention_heads=4, num_query_groups=2, kv_channels=3, hidden_size=5, gated_linear_unit=True)
 _QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 
 
@@ -183,6 +202,6 @@ def test_glu_and_legacy_expert_views():
         assert_partition("legacy", t.shape, mats)
     cfg = _config(muon_scale_mode="none")
     out = orthogonalized_update(w2, m2, cfg)
-    torch.testing.assert_close(out.view(E, -1, h)[1],
-                               newton_schulz(w2.view(E, -1, h)[1], compute_dtype=torch.float32),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        out.view(E, -1, h)[1], newton_schulz(w2.view(E, -1, h)[1], compute_dtype=torch.float32), rtol=1e-5, atol=1e-5
+    )

@@ -62,9 +62,14 @@ class ModelShape:
     def model_config(self) -> SimpleNamespace:
         """The TransformerConfig fields the Muon layout rules read."""
         return SimpleNamespace(
-            num_attention_heads=self.heads, num_query_groups=self.groups, kv_channels=self.kv_channels,
-            hidden_size=self.hidden, gated_linear_unit=self.swiglu, qk_head_dim=self.qk_head_dim,
-            qk_pos_emb_head_dim=self.qk_pos_dim, v_head_dim=self.v_head_dim,
+            num_attention_heads=self.heads,
+            num_query_groups=self.groups,
+            kv_channels=self.kv_channels,
+            hidden_size=self.hidden,
+            gated_linear_unit=self.swiglu,
+            qk_head_dim=self.qk_head_dim,
+            qk_pos_emb_head_dim=self.qk_pos_dim,
+            v_head_dim=self.v_head_dim,
         )
 
     def stage_layers(self, pp: int) -> List[List[int]]:
@@ -96,23 +101,46 @@ def from_recipe(recipe: str, gpus: int, tp: int, pp: int, ep: int, etp: Optional
     from megatron_muon.megatron_lm.launch import validated_args
     from tools.bench import sizing
 
-    argv = ["--recipe", recipe, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--expert-model-parallel-size", str(ep)]
+    argv = [
+        "--recipe",
+        recipe,
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--expert-model-parallel-size",
+        str(ep),
+    ]
     if etp is not None:
         argv += ["--expert-tensor-parallel-size", str(etp)]
     args = validated_args(argv, world_size=gpus)
     divisor = args.make_vocab_size_divisible_by * tp
     vocab = -(-args.vocab_size // divisor) * divisor
     return ModelShape(
-        name=recipe, num_layers=args.num_layers, hidden=args.hidden_size, ffn=args.ffn_hidden_size,
-        heads=args.num_attention_heads, groups=args.num_query_groups, kv_channels=args.kv_channels, vocab=vocab,
-        seq_length=args.seq_length, global_batch=args.global_batch_size,
-        active_params=sizing.count_parameters(args, vocab).active, swiglu=args.swiglu,
-        untie=args.untie_embeddings_and_output_weights, qk_layernorm=args.qk_layernorm,
-        num_experts=args.num_experts or 0, moe_ffn=args.moe_ffn_hidden_size or 0,
-        shared_ffn=args.moe_shared_expert_intermediate_size or 0, moe_pattern=sizing.moe_layer_pattern(args),
-        mla=args.multi_latent_attention, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
-        qk_head_dim=args.qk_head_dim, qk_pos_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        name=recipe,
+        num_layers=args.num_layers,
+        hidden=args.hidden_size,
+        ffn=args.ffn_hidden_size,
+        heads=args.num_attention_heads,
+        groups=args.num_query_groups,
+        kv_channels=args.kv_channels,
+        vocab=vocab,
+        seq_length=args.seq_length,
+        global_batch=args.global_batch_size,
+        active_params=sizing.count_parameters(args, vocab).active,
+        swiglu=args.swiglu,
+        untie=args.untie_embeddings_and_output_weights,
+        qk_layernorm=args.qk_layernorm,
+        num_experts=args.num_experts or 0,
+        moe_ffn=args.moe_ffn_hidden_size or 0,
+        shared_ffn=args.moe_shared_expert_intermediate_size or 0,
+        moe_pattern=sizing.moe_layer_pattern(args),
+        mla=args.multi_latent_attention,
+        q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank,
+        qk_head_dim=args.qk_head_dim,
+        qk_pos_dim=args.qk_pos_emb_head_dim,
+        v_head_dim=args.v_head_dim,
         first_stage_layers=args.decoder_first_pipeline_num_layers,
         last_stage_layers=args.decoder_last_pipeline_num_layers,
     )
@@ -134,10 +162,22 @@ def from_tiny(spec_kwargs: Dict[str, Any], global_batch: int) -> ModelShape:
     mlp = glu * s.hidden_size * (s.moe_router_topk * moe_ffn if experts else s.ffn_hidden_size)
     active = s.num_layers * (attn + mlp + 2 * s.hidden_size) + s.vocab_size * s.hidden_size * 2 + s.hidden_size
     return ModelShape(
-        name="tiny_" + s.kind, num_layers=s.num_layers, hidden=s.hidden_size, ffn=s.ffn_hidden_size,
-        heads=s.num_attention_heads, groups=groups, kv_channels=d, vocab=s.vocab_size, seq_length=s.seq_length,
-        global_batch=global_batch, active_params=active, swiglu=s.swiglu, untie=s.untie_embeddings_and_output_weights,
-        num_experts=experts, moe_ffn=moe_ffn, shared_ffn=s.moe_shared_expert_intermediate_size or 0,
+        name="tiny_" + s.kind,
+        num_layers=s.num_layers,
+        hidden=s.hidden_size,
+        ffn=s.ffn_hidden_size,
+        heads=s.num_attention_heads,
+        groups=groups,
+        kv_channels=d,
+        vocab=s.vocab_size,
+        seq_length=s.seq_length,
+        global_batch=global_batch,
+        active_params=active,
+        swiglu=s.swiglu,
+        untie=s.untie_embeddings_and_output_weights,
+        num_experts=experts,
+        moe_ffn=moe_ffn,
+        shared_ffn=s.moe_shared_expert_intermediate_size or 0,
         moe_pattern=[1 if experts else 0] * s.num_layers,
     )
 
@@ -164,8 +204,9 @@ class StageParam:
         return self.param.dim() == 2 and not getattr(self.param, "is_embedding_or_output_parameter", False)
 
 
-def _meta(shape: Sequence[int], partition_dim: Optional[int], tp: int, expert: bool = False,
-          embedding: bool = False) -> torch.nn.Parameter:
+def _meta(
+    shape: Sequence[int], partition_dim: Optional[int], tp: int, expert: bool = False, embedding: bool = False
+) -> torch.nn.Parameter:
     p = torch.nn.Parameter(torch.empty(tuple(shape), device="meta"))
     if partition_dim is not None and tp > 1:
         p.tensor_model_parallel = True
@@ -181,10 +222,20 @@ def stage_params(m: ModelShape, stage: int, pp: int, tp: int, ep: int, etp: int)
     """This stage's parameters on one TP rank, in ``GPTModel.named_parameters()`` order."""
     out: List[StageParam] = []
 
-    def add(name, shape, pdim=None, parent_attr=None, parent_kind=None, expert=False, router=False,
-            embedding=False, tp_size=tp):
-        out.append(StageParam(name, _meta(shape, pdim, tp_size, expert, embedding), parent_attr, parent_kind,
-                              expert, router))
+    def add(
+        name,
+        shape,
+        pdim=None,
+        parent_attr=None,
+        parent_kind=None,
+        expert=False,
+        router=False,
+        embedding=False,
+        tp_size=tp,
+    ):
+        out.append(
+            StageParam(name, _meta(shape, pdim, tp_size, expert, embedding), parent_attr, parent_kind, expert, router)
+        )
 
     h, d = m.hidden, m.kv_channels
     fc1_mult = 2 if m.swiglu else 1
@@ -202,9 +253,16 @@ def stage_params(m: ModelShape, stage: int, pp: int, tp: int, ep: int, etp: int)
                 add(a + "linear_q_up_proj.weight", (m.heads * qk // tp, m.q_lora_rank), 0, "linear_q_up_proj", "mla")
             else:
                 add(a + "linear_q_proj.weight", (m.heads * qk // tp, h), 0, "linear_q_proj", "mla")
-            add(a + "linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_pos_dim, h), None, "linear_kv_down_proj", "mla")
-            add(a + "linear_kv_up_proj.weight", (m.heads * (m.qk_head_dim + m.v_head_dim) // tp, m.kv_lora_rank), 0,
-                "linear_kv_up_proj", "mla")
+            add(
+                a + "linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_pos_dim, h), None, "linear_kv_down_proj", "mla"
+            )
+            add(
+                a + "linear_kv_up_proj.weight",
+                (m.heads * (m.qk_head_dim + m.v_head_dim) // tp, m.kv_lora_rank),
+                0,
+                "linear_kv_up_proj",
+                "mla",
+            )
             if m.q_lora_rank:
                 add(a + "q_layernorm.weight", (m.q_lora_rank,))
             add(a + "kv_layernorm.weight", (m.kv_lora_rank,))
@@ -220,7 +278,9 @@ def stage_params(m: ModelShape, stage: int, pp: int, tp: int, ep: int, etp: int)
             add(pre + "mlp.router.weight", (m.num_experts, h), router=True)
             for e in range(m.num_experts // ep):
                 x = f"{pre}mlp.experts.local_experts.{e}."
-                add(x + "linear_fc1.weight", (fc1_mult * m.moe_ffn // etp, h), 0, "linear_fc1", expert=True, tp_size=etp)
+                add(
+                    x + "linear_fc1.weight", (fc1_mult * m.moe_ffn // etp, h), 0, "linear_fc1", expert=True, tp_size=etp
+                )
                 add(x + "linear_fc2.weight", (h, m.moe_ffn // etp), 1, "linear_fc2", expert=True, tp_size=etp)
             if m.shared_ffn:
                 s = pre + "mlp.shared_experts."
@@ -247,12 +307,16 @@ def ddp_config(grad_reduce_in_fp32: bool):
     return DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=True)
 
 
-def buffer_layouts(params: List[StageParam], dp: int, edp: int, bucket_size: Optional[int],
-                   grad_reduce_in_fp32: bool, layer_wise: bool):
+def buffer_layouts(
+    params: List[StageParam], dp: int, edp: int, bucket_size: Optional[int], grad_reduce_in_fp32: bool, layer_wise: bool
+):
     """Megatron's own layout functions on the stage's (meta) params: the byte-level
     distributed-optimizer layout, or the layer-wise one Megatron's Muon needs."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer, is_managed_by_layer_wise_optimizer
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        is_managed_by_layer_wise_optimizer,
+    )
 
     plist = [sp.param for sp in params]
     for p in plist:
@@ -261,5 +325,6 @@ def buffer_layouts(params: List[StageParam], dp: int, edp: int, bucket_size: Opt
         elif hasattr(p, "is_managed_by_layer_wise_optimizer"):
             del p.is_managed_by_layer_wise_optimizer
     cls = LayerWiseDistributedOptimizer if layer_wise else DistributedOptimizer
-    return cls.compute_full_param_layout(plist, bucket_size, dp, ddp_config(grad_reduce_in_fp32),
-                                         expert_data_parallel_world_size=edp)
+    return cls.compute_full_param_layout(
+        plist, bucket_size, dp, ddp_config(grad_reduce_in_fp32), expert_data_parallel_world_size=edp
+    )

@@ -52,11 +52,21 @@ if __name__ == "__main__":
 from tools.bench import common
 
 # (label, batch, rows, cols)
-FULL_SHAPES = [("4096x4096", 1, 4096, 4096), ("4096x14336", 1, 4096, 14336), ("64 x 2048x7168 (experts)", 64, 2048, 7168),
-               ("7168x36864 (DeepSeek-V3 fc1)", 1, 7168, 36864), ("1536x24576 (MLA q up)", 1, 1536, 24576)]
-QUICK_SHAPES = [("256x256", 1, 256, 256), ("256x896", 1, 256, 896), ("8 x 128x448 (experts)", 8, 128, 448),
-                ("256x1024", 1, 256, 1024), ("448x2304 (DeepSeek-V3 fc1)", 1, 448, 2304),
-                ("96x1536 (MLA q up)", 1, 96, 1536)]
+FULL_SHAPES = [
+    ("4096x4096", 1, 4096, 4096),
+    ("4096x14336", 1, 4096, 14336),
+    ("64 x 2048x7168 (experts)", 64, 2048, 7168),
+    ("7168x36864 (DeepSeek-V3 fc1)", 1, 7168, 36864),
+    ("1536x24576 (MLA q up)", 1, 1536, 24576),
+]
+QUICK_SHAPES = [
+    ("256x256", 1, 256, 256),
+    ("256x896", 1, 256, 896),
+    ("8 x 128x448 (experts)", 8, 128, 448),
+    ("256x1024", 1, 256, 1024),
+    ("448x2304 (DeepSeek-V3 fc1)", 1, 448, 2304),
+    ("96x1536 (MLA q up)", 1, 96, 1536),
+]
 
 # Dense bf16 tensor-core peaks (no sparsity), TFLOP/s, by torch.cuda.get_device_name().
 PEAKS = [("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4), ("GH200", 989.4), ("A100", 312.0)]
@@ -108,15 +118,20 @@ def implementations(device: str, compile_ours: bool) -> Dict[str, Tuple[Optional
 
     impls: Dict[str, Tuple[Optional[Callable], str]] = {
         "megatron_muon": (lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16), "batched"),
-        "megatron_muon gram": (lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, method="gram"),
-                               "Gram NS, fp16 inside, restart after 3 steps"),
+        "megatron_muon gram": (
+            lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, method="gram"),
+            "Gram NS, fp16 inside, restart after 3 steps",
+        ),
     }
     if compile_ours:
         impls["megatron_muon compiled"] = (
-            lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, compiled=True), "batched, torch.compile")
+            lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, compiled=True),
+            "batched, torch.compile",
+        )
         impls["megatron_muon gram compiled"] = (
             lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16, compiled=True, method="gram"),
-            "Gram NS, torch.compile")
+            "Gram NS, torch.compile",
+        )
     try:
         from torch.optim._muon import _zeropower_via_newtonschulz
 
@@ -176,7 +191,9 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         peak_note = f"measured bf16 GEMM rate of this CPU, {args.threads} thread(s)"
     else:
         peak = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name())
-        peak_note = "dense bf16 peak of " + torch.cuda.get_device_name() if peak else "unknown device: pass --peak-tflops"
+        peak_note = (
+            "dense bf16 peak of " + torch.cuda.get_device_name() if peak else "unknown device: pass --peak-tflops"
+        )
     impls = implementations(device, args.compile if args.compile is not None else device == "cuda")
     # A shared CPU's other processes slow random calls down; the fastest call is the
     # undisturbed cost there. A GPU is ours alone: the median.
@@ -198,9 +215,13 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 out = fn(x).float()
                 median, best = common.median(seconds[name]), min(seconds[name])
                 rate = flops / (best if stat == "best" else median) / 1e12
-                row.update(ms=median * 1e3, best_ms=best * 1e3, tflops=rate,
-                           peak_fraction=rate / peak if peak else None,
-                           rel_err=float((out - reference).norm() / reference.norm()))
+                row.update(
+                    ms=median * 1e3,
+                    best_ms=best * 1e3,
+                    tflops=rate,
+                    peak_fraction=rate / peak if peak else None,
+                    rel_err=float((out - reference).norm() / reference.norm()),
+                )
             rows.append(row)
         del x, reference
     key = "best_ms" if stat == "best" else "ms"
@@ -208,9 +229,19 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     ours = {r["shape"]: r[key] for r in rows if r["impl"] == "megatron_muon"}
     for r in rows:
         r["speedup_of_ours"] = r[key] / ours[r["shape"]] if r[key] else None
-    return dict(env=common.environment(device), quick=quick, steps=STEPS, peak_tflops=peak, peak_note=peak_note,
-                warmup=warmup, reps=reps, stat=stat, threads=torch.get_num_threads() if device == "cpu" else None,
-                rows=rows, gram=gram)
+    return dict(
+        env=common.environment(device),
+        quick=quick,
+        steps=STEPS,
+        peak_tflops=peak,
+        peak_note=peak_note,
+        warmup=warmup,
+        reps=reps,
+        stat=stat,
+        threads=torch.get_num_threads() if device == "cpu" else None,
+        rows=rows,
+        gram=gram,
+    )
 
 
 def _ill_conditioned(batch: int, m: int, n: int, device: str, gen) -> Any:
@@ -242,30 +273,84 @@ def gram_rows(rows: List[Dict[str, Any]], shapes, device: str, gen) -> List[Dict
     for label, batch, m, n in shapes:
         std, gram = by[(label, "megatron_muon")], by[(label, "megatron_muon gram")]
         ill = _ill_conditioned(batch, m, n, device, gen)
-        out.append(dict(
-            shape=label, aspect=max(m, n) / min(m, n),
-            flops_ratio=newton_schulz_flops(m, n, STEPS, batch, "gram") / newton_schulz_flops(m, n, STEPS, batch),
-            time_ratio=gram["ms"] / std["ms"], best_time_ratio=gram["best_ms"] / std["best_ms"],
-            dist_standard=std["rel_err"], dist_gram=gram["rel_err"],
-            dist_standard_ill=dist("standard", ill), dist_gram_ill=dist("gram", ill)))
+        out.append(
+            dict(
+                shape=label,
+                aspect=max(m, n) / min(m, n),
+                flops_ratio=newton_schulz_flops(m, n, STEPS, batch, "gram") / newton_schulz_flops(m, n, STEPS, batch),
+                time_ratio=gram["ms"] / std["ms"],
+                best_time_ratio=gram["best_ms"] / std["best_ms"],
+                dist_standard=std["rel_err"],
+                dist_gram=gram["rel_err"],
+                dist_standard_ill=dist("standard", ill),
+                dist_gram_ill=dist("gram", ill),
+            )
+        )
         del ill
     return out
 
 
 def markdown(data: Dict[str, Any]) -> str:
-    rows = [[r["shape"], r["impl"], r["ms"], r["best_ms"], r["tflops"], r["peak_fraction"], r["speedup_of_ours"],
-             r["rel_err"], r["note"]] for r in data["rows"]]
+    rows = [
+        [
+            r["shape"],
+            r["impl"],
+            r["ms"],
+            r["best_ms"],
+            r["tflops"],
+            r["peak_fraction"],
+            r["speedup_of_ours"],
+            r["rel_err"],
+            r["note"],
+        ]
+        for r in data["rows"]
+    ]
     stat = data["stat"]
     table = common.md_table(
-        ["shape", "implementation", "median ms", "best ms", f"TFLOP/s ({stat})", "of peak", f"time / ours ({stat})",
-         "rel. diff vs fp32 NS", "note"], rows)
+        [
+            "shape",
+            "implementation",
+            "median ms",
+            "best ms",
+            f"TFLOP/s ({stat})",
+            "of peak",
+            f"time / ours ({stat})",
+            "rel. diff vs fp32 NS",
+            "note",
+        ],
+        rows,
+    )
     peak = f"{data['peak_tflops']:.3g} TFLOP/s ({data['peak_note']})" if data["peak_tflops"] else data["peak_note"]
     gram_table = common.md_table(
-        ["shape", "aspect", "FLOPs gram / std", "median time gram / std", "best time gram / std",
-         "dist. std (gaussian)", "dist. gram (gaussian)", "dist. std (ill-cond.)", "dist. gram (ill-cond.)"],
-        [[g["shape"], g["aspect"], g["flops_ratio"], g["time_ratio"], g["best_time_ratio"], g["dist_standard"],
-          g["dist_gram"], g["dist_standard_ill"], g["dist_gram_ill"]] for g in data["gram"]])
-    sizes = "quick sizes (every side / 16, experts / 8; the real shapes are for GPUs)" if data["quick"] else "real sizes"
+        [
+            "shape",
+            "aspect",
+            "FLOPs gram / std",
+            "median time gram / std",
+            "best time gram / std",
+            "dist. std (gaussian)",
+            "dist. gram (gaussian)",
+            "dist. std (ill-cond.)",
+            "dist. gram (ill-cond.)",
+        ],
+        [
+            [
+                g["shape"],
+                g["aspect"],
+                g["flops_ratio"],
+                g["time_ratio"],
+                g["best_time_ratio"],
+                g["dist_standard"],
+                g["dist_gram"],
+                g["dist_standard_ill"],
+                g["dist_gram_ill"],
+            ]
+            for g in data["gram"]
+        ],
+    )
+    sizes = (
+        "quick sizes (every side / 16, experts / 8; the real shapes are for GPUs)" if data["quick"] else "real sizes"
+    )
     return (
         f"{data['steps']} Newton–Schulz steps, bf16 compute, fp32 input, {sizes}; {data['reps']} calls per "
         f"implementation after {data['warmup']} warm-up calls, taking turns; rates from the "
@@ -282,12 +367,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small shapes (the default on a CPU)")
     p.add_argument("--full", action="store_true", help="real shapes even on a CPU (slow)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="also time our torch.compile-d kernel (default: on a GPU)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time our torch.compile-d kernel (default: on a GPU)",
+    )
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: known devices)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
-    p.add_argument("--stat", choices=["median", "best"],
-                   help="which call sets the rates (default: best on a CPU shared with other work, median on a GPU)")
+    p.add_argument(
+        "--stat",
+        choices=["median", "best"],
+        help="which call sets the rates (default: best on a CPU shared with other work, median on a GPU)",
+    )
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="newton_schulz")
     return p.parse_args(argv)
@@ -300,10 +392,33 @@ def main(argv=None) -> Dict[str, Any]:
     rows = [[r["shape"], r["impl"], r["ms"], r["tflops"], r["peak_fraction"]] for r in data["rows"]]
     print(common.text_table(["shape", "implementation", "ms", "TFLOP/s", "of peak"], rows))
     print()
-    print(common.text_table(["shape", "aspect", "FLOPs gram/std", "time gram/std", "dist std", "dist gram",
-                             "dist std ill", "dist gram ill"],
-                            [[g["shape"], g["aspect"], g["flops_ratio"], g["time_ratio"], g["dist_standard"],
-                              g["dist_gram"], g["dist_standard_ill"], g["dist_gram_ill"]] for g in data["gram"]]))
+    print(
+        common.text_table(
+            [
+                "shape",
+                "aspect",
+                "FLOPs gram/std",
+                "time gram/std",
+                "dist std",
+                "dist gram",
+                "dist std ill",
+                "dist gram ill",
+            ],
+            [
+                [
+                    g["shape"],
+                    g["aspect"],
+                    g["flops_ratio"],
+                    g["time_ratio"],
+                    g["dist_standard"],
+                    g["dist_gram"],
+                    g["dist_standard_ill"],
+                    g["dist_gram_ill"],
+                ]
+                for g in data["gram"]
+            ],
+        )
+    )
     print(f"\nwrote {paths['json']} and {paths['markdown']}")
     return data
 

@@ -44,10 +44,26 @@ MODELS: Dict[str, Dict[str, Any]] = {
     # The CPU model: the project's tiny GQA SwiGLU GPT.
     "tiny": dict(kind="gqa"),
     # GPU sizes (Llama-like proportions: GQA with 4 query groups, SwiGLU 2.75x).
-    "small": dict(kind="gqa", num_layers=4, hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=16,
-                  num_query_groups=4, vocab_size=8192, seq_length=256),
-    "medium": dict(kind="gqa", num_layers=8, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=16,
-                   num_query_groups=4, vocab_size=32000, seq_length=1024),
+    "small": dict(
+        kind="gqa",
+        num_layers=4,
+        hidden_size=1024,
+        ffn_hidden_size=2816,
+        num_attention_heads=16,
+        num_query_groups=4,
+        vocab_size=8192,
+        seq_length=256,
+    ),
+    "medium": dict(
+        kind="gqa",
+        num_layers=8,
+        hidden_size=2048,
+        ffn_hidden_size=5632,
+        num_attention_heads=16,
+        num_query_groups=4,
+        vocab_size=32000,
+        seq_length=1024,
+    ),
 }
 KINDS = ("reduce_scatter", "all_gather", "all_to_all", "all_reduce", "broadcast")
 GROUP_KINDS = ("dp", "expert_dp", "tp", "ep", "pp")
@@ -57,9 +73,11 @@ def describe_model(spec_kwargs: Dict[str, Any]) -> str:
     from megatron_muon.testing.models import TinyModelSpec
 
     s = TinyModelSpec(**spec_kwargs)
-    return (f"{s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads in "
-            f"{s.num_query_groups or s.num_attention_heads} query groups, SwiGLU ffn {s.ffn_hidden_size}, "
-            f"vocab {s.vocab_size}, sequence {s.seq_length}")
+    return (
+        f"{s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads in "
+        f"{s.num_query_groups or s.num_attention_heads} query groups, SwiGLU ffn {s.ffn_hidden_size}, "
+        f"vocab {s.vocab_size}, sequence {s.seq_length}"
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -98,8 +116,9 @@ def _train_step(name, built, tokens, mbs, spec, device) -> tuple:
     return t2 - t1, t2 - t0
 
 
-def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: int, device: str,
-                interleave: bool, hyper) -> Dict[str, Dict[str, Any]]:
+def _time_peers(
+    names: List[str], spec, tokens, mbs: int, steps: int, warmup: int, device: str, interleave: bool, hyper
+) -> Dict[str, Dict[str, Any]]:
     """Step times, bytes per step and optimizer memory of every peer. Interleaved, every
     peer is built first and the peers take turns step by step, so load from other
     processes on a shared machine falls on all of them alike."""
@@ -122,9 +141,13 @@ def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: in
             with peers.count_traffic() as train_traffic:
                 _forward_backward(model, opt, tokens, mbs, spec)
                 opt.step()
-            results[n].update(step_bytes=dict(step_traffic.bytes), train_bytes=dict(train_traffic.bytes),
-                              train_groups=dict(train_traffic.by_group), memory=peers.optimizer_state_bytes(opt),
-                              residency=peers.muon_state_residency(opt))
+            results[n].update(
+                step_bytes=dict(step_traffic.bytes),
+                train_bytes=dict(train_traffic.bytes),
+                train_groups=dict(train_traffic.by_group),
+                memory=peers.optimizer_state_bytes(opt),
+                residency=peers.muon_state_residency(opt),
+            )
         del built
         gc.collect()
         if device == "cuda":
@@ -134,8 +157,9 @@ def _time_peers(names: List[str], spec, tokens, mbs: int, steps: int, warmup: in
     return results
 
 
-def _probe_peer(name: str, spec, tokens, mbs: int, probe_layers: Optional[int], want_grads: bool,
-                chunk_numel: Optional[int] = None) -> Dict[str, Any]:
+def _probe_peer(
+    name: str, spec, tokens, mbs: int, probe_layers: Optional[int], want_grads: bool, chunk_numel: Optional[int] = None
+) -> Dict[str, Any]:
     """One step with ``peers.PROBE`` settings: the change of every matrix (this rank's
     TP piece) and, if asked, this rank's gradient before DDP's reduction."""
     from dataclasses import replace
@@ -152,7 +176,9 @@ def _probe_peer(name: str, spec, tokens, mbs: int, probe_layers: Optional[int], 
         raise RuntimeError(f"{name}: the probe step was skipped")
     out = {
         "change": {n: p.detach().float().cpu() - before[n] for n, p in mats.items()},
-        "dim": {n: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None) for n, p in mats.items()},
+        "dim": {
+            n: (int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None) for n, p in mats.items()
+        },
     }
     if want_grads:
         out["grad"] = dict(grads)
@@ -165,8 +191,17 @@ def _layer_of(name: str) -> int:
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else 0
 
 
-def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup: int, gbs: int, mbs: int,
-              probe_layers: Optional[int], interleave: bool = True, chunk_numel: Optional[int] = None) -> Dict[str, Any]:
+def rank_main(
+    spec_kwargs: Dict[str, Any],
+    names: List[str],
+    steps: int,
+    warmup: int,
+    gbs: int,
+    mbs: int,
+    probe_layers: Optional[int],
+    interleave: bool = True,
+    chunk_numel: Optional[int] = None,
+) -> Dict[str, Any]:
     """Everything this rank measures, for every peer in ``names``."""
     import torch
     from megatron.core import parallel_state
@@ -180,8 +215,9 @@ def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup:
     out: Dict[str, Any] = dict(
         tp=parallel_state.get_tensor_model_parallel_rank(),
         dp=parallel_state.get_data_parallel_rank(),
-        timing=_time_peers(names, spec, tokens, mbs, steps, warmup, device, interleave,
-                           peers.Hyper(chunk_numel=chunk_numel)),
+        timing=_time_peers(
+            names, spec, tokens, mbs, steps, warmup, device, interleave, peers.Hyper(chunk_numel=chunk_numel)
+        ),
         probe={},
         attention=peers.attention_dims(M.transformer_config(spec)),
     )
@@ -199,7 +235,7 @@ def rank_main(spec_kwargs: Dict[str, Any], names: List[str], steps: int, warmup:
 # ---------------------------------------------------------------------------------------
 
 
-def _full(pieces: Dict[int, "torch.Tensor"], dim: Optional[int]):
+def _full(pieces: Dict[int, Any], dim: Optional[int]):
     import torch
 
     if dim is None:
@@ -245,13 +281,17 @@ def orthogonalization_errors(ranks: List[Dict[str, Any]], device: str) -> Dict[s
         for n in names:
             by_tp = {r["tp"]: r["probe"][peer]["change"][n] for r in ranks if r["dp"] == 0}
             changes.update(peers.logical_parts(n, _full(by_tp, dims[n]), attention))
-        per = {k: (direction_error(changes[k].to(device), p), direction_error(changes[k].to(device), ns))
-               for k, (p, ns) in targets.items()}
+        per = {
+            k: (direction_error(changes[k].to(device), p), direction_error(changes[k].to(device), ns))
+            for k, (p, ns) in targets.items()
+        }
         polar = [v[0] for v in per.values()]
         ns = [v[1] for v in per.values()]
         out[peer] = dict(
-            vs_polar_mean=sum(polar) / len(polar), vs_polar_max=max(polar),
-            vs_ns_mean=sum(ns) / len(ns), vs_ns_max=max(ns),
+            vs_polar_mean=sum(polar) / len(polar),
+            vs_polar_max=max(polar),
+            vs_ns_mean=sum(ns) / len(ns),
+            vs_ns_max=max(ns),
             matrices={k: dict(vs_polar=a, vs_ns=b) for k, (a, b) in per.items()},
         )
     return out
@@ -314,14 +354,31 @@ def residency_table(results: Dict[str, Any]) -> str:
         m = r.get("muon_state_max")
         if m is None:
             continue
-        rows.append([r["label"], common.human_bytes(m["device_idle"]), common.human_bytes(m["device_step_peak"]),
-                     common.human_bytes(m["largest_chunk"]), common.human_bytes(m["offloaded"]),
-                     r.get("step_ratio_to_offload_off")])
-    return common.md_table(
-        ["optimizer", "on device, idle", "on device, step peak", "one chunk", "offloaded (CPU pool)",
-         "step / offload off"],
-        rows,
-    ) if rows else ""
+        rows.append(
+            [
+                r["label"],
+                common.human_bytes(m["device_idle"]),
+                common.human_bytes(m["device_step_peak"]),
+                common.human_bytes(m["largest_chunk"]),
+                common.human_bytes(m["offloaded"]),
+                r.get("step_ratio_to_offload_off"),
+            ]
+        )
+    return (
+        common.md_table(
+            [
+                "optimizer",
+                "on device, idle",
+                "on device, step peak",
+                "one chunk",
+                "offloaded (CPU pool)",
+                "step / offload off",
+            ],
+            rows,
+        )
+        if rows
+        else ""
+    )
 
 
 def markdown(data: Dict[str, Any]) -> str:
@@ -336,28 +393,52 @@ def markdown(data: Dict[str, Any]) -> str:
     rows = []
     for name, r in results.items():
         e = errors.get(name, {})
-        rows.append([
-            r["label"], r["step_ms"], r["ratio"], r["train_step_ms"], common.human_bytes(r["memory_max"]),
-            e.get("vs_polar_mean"), e.get("vs_polar_max"), e.get("vs_ns_mean"), e.get("vs_ns_max"),
-        ])
+        rows.append(
+            [
+                r["label"],
+                r["step_ms"],
+                r["ratio"],
+                r["train_step_ms"],
+                common.human_bytes(r["memory_max"]),
+                e.get("vs_polar_mean"),
+                e.get("vs_polar_max"),
+                e.get("vs_ns_mean"),
+                e.get("vs_ns_max"),
+            ]
+        )
     main = common.md_table(
-        ["optimizer", "step ms", "step / AdamW", "train step ms", "opt. state / rank (max)",
-         "err vs polar (mean)", "err vs polar (max)", "err vs full NS (mean)", "err vs full NS (max)"],
+        [
+            "optimizer",
+            "step ms",
+            "step / AdamW",
+            "train step ms",
+            "opt. state / rank (max)",
+            "err vs polar (mean)",
+            "err vs polar (max)",
+            "err vs full NS (mean)",
+            "err vs full NS (max)",
+        ],
         rows,
     )
     byte_rows = []
-    for name, r in results.items():
+    for r in results.values():
         for which, label in (("step_bytes", "step()"), ("train_bytes", "train step")):
             mean = r[which]["per_rank_mean"]
             byte_rows.append([r["label"], label] + [int(mean.get(k, 0)) for k in KINDS] + [int(sum(mean.values()))])
-    traffic = common.md_table(["optimizer", "counted around"] + [k.replace("_single", "") for k in KINDS] + ["total"], byte_rows)
+    traffic = common.md_table(
+        ["optimizer", "counted around"] + [k.replace("_single", "") for k in KINDS] + ["total"], byte_rows
+    )
     group_rows = []
-    for name, r in results.items():
+    for r in results.values():
         groups = r["train_bytes"].get("per_group_mean", {})
         total = sum(r["train_bytes"]["per_rank_mean"].values())
-        group_rows.append([r["label"], int(groups.get("dp", 0) + groups.get("expert_dp", 0)), int(total)]
-                          + [int(groups.get(k, 0)) for k in GROUP_KINDS + ("other",)])
-    by_group = common.md_table(["optimizer", "DP-group bytes", "total bytes"] + list(GROUP_KINDS) + ["other"], group_rows)
+        group_rows.append(
+            [r["label"], int(groups.get("dp", 0) + groups.get("expert_dp", 0)), int(total)]
+            + [int(groups.get(k, 0)) for k in GROUP_KINDS + ("other",)]
+        )
+    by_group = common.md_table(
+        ["optimizer", "DP-group bytes", "total bytes"] + list(GROUP_KINDS) + ["other"], group_rows
+    )
     targets = targets_table(results)
     residency = residency_table(results)
     return (
@@ -370,11 +451,17 @@ def markdown(data: Dict[str, Any]) -> str:
         "near-zero directions to one, and every peer's distance to it grows alike.\n\n"
         f"Bytes sent per step per rank (mean over ranks), by collective:\n\n{traffic}\n"
         "\nBytes sent per train step per rank (mean over ranks), by the process group they travel in "
-        "(DP-group bytes = dp + expert_dp):\n\n" + by_group + "\n"
+        "(DP-group bytes = dp + expert_dp):\n\n"
+        + by_group
+        + "\n"
         + (f"\nThe project's targets, from this run:\n\n{targets}\n" if targets else "")
-        + (f"\nMuon matrices' optimizer state (momentum, second moments, fp32 masters) per rank, max over ranks; "
-           "'on device' counts tensors outside the CPU offload pool (on a CPU-only machine, what a GPU "
-           f"would hold):\n\n{residency}\n" if residency else "")
+        + (
+            f"\nMuon matrices' optimizer state (momentum, second moments, fp32 masters) per rank, max over ranks; "
+            "'on device' counts tensors outside the CPU offload pool (on a CPU-only machine, what a GPU "
+            f"would hold):\n\n{residency}\n"
+            if residency
+            else ""
+        )
     )
 
 
@@ -390,6 +477,7 @@ TARGETS = (
 def targets_table(results: Dict[str, Any]) -> str:
     """The targets (bytes per train step vs AdamW and vs Megatron's duplicated Muon; step
     time vs Megatron's blockwise Muon) as measured ratios, met or not."""
+
     def value(r, what):
         if what == "dp_bytes":
             groups = r["train_bytes"].get("per_group_mean", {})
@@ -402,9 +490,16 @@ def targets_table(results: Dict[str, Any]) -> str:
             continue
         ratio = value(results[ours], what) / max(value(results[peer], what), 1e-12)
         label = {"train_bytes": "bytes per train step", "dp_bytes": "DP-group bytes per train step"}.get(
-            what, "optimizer-step time")
-        rows.append([f"{label}: {results[ours]['label']} / {results[peer]['label']}", ratio, f"<= {limit}",
-                     "met" if ratio <= limit else "NOT met"])
+            what, "optimizer-step time"
+        )
+        rows.append(
+            [
+                f"{label}: {results[ours]['label']} / {results[peer]['label']}",
+                ratio,
+                f"<= {limit}",
+                "met" if ratio <= limit else "NOT met",
+            ]
+        )
     return common.md_table(["measure", "ratio", "target", ""], rows) if rows else ""
 
 
@@ -426,12 +521,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gbs", type=int, default=8, help="global batch size")
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
     p.add_argument("--probe-layers", type=int, help="orthogonalization error on the first N layers (default: all)")
-    p.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
-                   help="build all peers, then let them take turns step by step (default: on the CPU, where "
-                        "other processes add noise; off on a GPU, where all peers may not fit at once)")
-    p.add_argument("--muon-chunk-numel", type=int,
-                   help="our pipeline's chunk size in matrix elements (default: MuonConfig's); small chunks show "
-                        "the offload's per-chunk bound on the device-resident momentum")
+    p.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="build all peers, then let them take turns step by step (default: on the CPU, where "
+        "other processes add noise; off on a GPU, where all peers may not fit at once)",
+    )
+    p.add_argument(
+        "--muon-chunk-numel",
+        type=int,
+        help="our pipeline's chunk size in matrix elements (default: MuonConfig's); small chunks show "
+        "the offload's per-chunk bound on the device-resident momentum",
+    )
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="optimizer_step", help="output file name (without extension)")
     return p.parse_args(argv)
@@ -451,14 +553,29 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         if n not in peers.PEERS:
             raise SystemExit(f"unknown peer {n!r}; use names from {peers.PEERS}")
     if args.peers is None and not peers.have_megatron_muon():
-        print("emerging-optimizers is not installed: Megatron-core's own Muon is left out (pip install "
-              "emerging-optimizers)")
+        print(
+            "emerging-optimizers is not installed: Megatron-core's own Muon is left out (pip install "
+            "emerging-optimizers)"
+        )
         names = [n for n in names if not n.startswith("megatron_muon")]
     probe_layers = args.probe_layers if args.probe_layers is not None else (None if model == "tiny" else 1)
     started = time.perf_counter()
     interleave = args.interleave if args.interleave is not None else not on_gpu
-    ranks = common.launch(rank_main, world, MODELS[model], names, steps, args.warmup, args.gbs, args.mbs,
-                          probe_layers, interleave, args.muon_chunk_numel, device=device, tp=tp)
+    ranks = common.launch(
+        rank_main,
+        world,
+        MODELS[model],
+        names,
+        steps,
+        args.warmup,
+        args.gbs,
+        args.mbs,
+        probe_layers,
+        interleave,
+        args.muon_chunk_numel,
+        device=device,
+        tp=tp,
+    )
     data: Dict[str, Any] = dict(
         env=common.environment(device),
         layout=dict(world=world, tp=tp, dp=world // tp),
@@ -486,9 +603,17 @@ def main(argv=None) -> Dict[str, Any]:
         return data
     md = markdown(data)
     paths = common.write_outputs(args.out, args.name, data, md)
-    rows = [[r["label"], r["step_ms"], r["ratio"], common.human_bytes(r["memory_max"]),
-             data["errors"].get(n, {}).get("vs_polar_mean"), data["errors"].get(n, {}).get("vs_ns_mean")]
-            for n, r in data["peers"].items()]
+    rows = [
+        [
+            r["label"],
+            r["step_ms"],
+            r["ratio"],
+            common.human_bytes(r["memory_max"]),
+            data["errors"].get(n, {}).get("vs_polar_mean"),
+            data["errors"].get(n, {}).get("vs_ns_mean"),
+        ]
+        for n, r in data["peers"].items()
+    ]
     print(common.text_table(["optimizer", "step ms", "/ AdamW", "state/rank", "err polar", "err NS"], rows))
     print(f"\nwrote {paths['json']} and {paths['markdown']} ({data['wall_s']:.0f} s)")
     return data

@@ -26,7 +26,10 @@ if __name__ == "__main__":
 from tools.bench import common
 
 COLORS = {
-    "launch_gather": "#4c72b0", "complete_gather": "#8172b2", "compute": "#c44e52", "complete_scatter": "#64b5cd",
+    "launch_gather": "#4c72b0",
+    "complete_gather": "#8172b2",
+    "compute": "#c44e52",
+    "complete_scatter": "#64b5cd",
 }
 """The spans of ``trace_step``, drawn in this order (``compute`` on top of ``complete_gather``)."""
 
@@ -50,8 +53,11 @@ def rank_main(spec_kwargs: Dict[str, Any], chunk_numel: int) -> Dict[str, Any]:
         M.canonical_init_(chunks, seed=0)
         model = M.wrap_ddp(chunks, chunks[0].config)
         opt = get_muon_optimizer(
-            MuonConfig(lr=0.01, weight_decay=0.1, clip_grad=1.0, muon_overlap_expert_ns=overlap,
-                       muon_chunk_numel=chunk_numel), model)
+            MuonConfig(
+                lr=0.01, weight_decay=0.1, clip_grad=1.0, muon_overlap_expert_ns=overlap, muon_chunk_numel=chunk_numel
+            ),
+            model,
+        )
         M.train_step(model, opt, tokens, 2, spec)  # warm-up: plans, lazy state
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -74,7 +80,10 @@ def rank_main(spec_kwargs: Dict[str, Any], chunk_numel: int) -> Dict[str, Any]:
             f["launched"] = (f["launched"] - t0) * 1e3
             f["completed"] = (f["completed"] - t0) * 1e3 if f["completed"] is not None else None
         out["overlap" if overlap else "sequential"] = dict(
-            trace=trace.events, spans=spans, flights=flights, step_ms=(t1 - t0) * 1e3,
+            trace=trace.events,
+            spans=spans,
+            flights=flights,
+            step_ms=(t1 - t0) * 1e3,
             chunks={o.name: o.plan_statistics()["chunks"] for o in opt.muon_optimizers},
         )
     return out
@@ -90,10 +99,15 @@ def evidence(run: Dict[str, Any]) -> Dict[str, Any]:
     e_start = min((s["start"] for s in expert), default=None)
     e_end = max((s["end"] for s in expert), default=None)
     return dict(
-        gather0_launched_ms=first["launched"], gather0_completed_ms=first["completed"], gather0_waited_ms=waited["start"],
-        gather0_bytes=first["bytes"], expert_ns_start_ms=e_start, expert_ns_end_ms=e_end,
+        gather0_launched_ms=first["launched"],
+        gather0_completed_ms=first["completed"],
+        gather0_waited_ms=waited["start"],
+        gather0_bytes=first["bytes"],
+        expert_ns_start_ms=e_start,
+        expert_ns_end_ms=e_end,
         expert_ns_inside_gather0_window=bool(expert) and first["launched"] <= e_start and e_end <= waited["start"],
-        gather0_in_flight_during_expert_ns=bool(expert) and first["completed"] is not None
+        gather0_in_flight_during_expert_ns=bool(expert)
+        and first["completed"] is not None
         and first["launched"] <= e_start < first["completed"],
         step_ms=run["step_ms"],
     )
@@ -115,17 +129,26 @@ def plot(ranks: List[Dict[str, Any]], path: Path) -> None:
             for pipeline in ("dense", "expert"):
                 for f in run["flights"]:
                     if f["pipeline"] == pipeline and f["completed"] is not None:
-                        ax.broken_barh([(f["launched"], max(f["completed"] - f["launched"], 1e-3))], (y + 0.55, 0.35),
-                                       facecolors="#dddddd", edgecolors="#555555", hatch="///")
+                        ax.broken_barh(
+                            [(f["launched"], max(f["completed"] - f["launched"], 1e-3))],
+                            (y + 0.55, 0.35),
+                            facecolors="#dddddd",
+                            edgecolors="#555555",
+                            hatch="///",
+                        )
                 for s in sorted(run["spans"], key=lambda s: list(COLORS).index(s["stage"])):
                     if s["pipeline"] == pipeline:
-                        ax.broken_barh([(s["start"], max(s["end"] - s["start"], 1e-3))], (y + 0.05, 0.45),
-                                       facecolors=COLORS[s["stage"]])
+                        ax.broken_barh(
+                            [(s["start"], max(s["end"] - s["start"], 1e-3))],
+                            (y + 0.05, 0.45),
+                            facecolors=COLORS[s["stage"]],
+                        )
                 labels.append(f"rank {r['rank']} {pipeline}")
                 y += 1
         ax.set_yticks([i + 0.5 for i in range(y)], labels)
-        ax.set_title(f"muon_overlap_expert_ns={mode == 'overlap'}: step {ranks[0][mode]['step_ms']:.1f} ms (rank 0)",
-                     fontsize=10)
+        ax.set_title(
+            f"muon_overlap_expert_ns={mode == 'overlap'}: step {ranks[0][mode]['step_ms']:.1f} ms (rank 0)", fontsize=10
+        )
         ax.invert_yaxis()
     axes[-1].set_xlabel("ms since optimizer.step() began")
     handles = [Patch(color=c, label=s) for s, c in COLORS.items()]
@@ -142,14 +165,37 @@ def markdown(data: Dict[str, Any]) -> str:
     for r in data["ranks"]:
         for mode in ("overlap", "sequential"):
             e = r["evidence"][mode]
-            rows.append([r["rank"], mode, e["step_ms"], e["gather0_bytes"], e["gather0_launched_ms"],
-                         e["expert_ns_start_ms"], e["expert_ns_end_ms"], e["gather0_completed_ms"],
-                         e["gather0_waited_ms"], "yes" if e["expert_ns_inside_gather0_window"] else "no",
-                         "yes" if e["gather0_in_flight_during_expert_ns"] else "no"])
+            rows.append(
+                [
+                    r["rank"],
+                    mode,
+                    e["step_ms"],
+                    e["gather0_bytes"],
+                    e["gather0_launched_ms"],
+                    e["expert_ns_start_ms"],
+                    e["expert_ns_end_ms"],
+                    e["gather0_completed_ms"],
+                    e["gather0_waited_ms"],
+                    "yes" if e["expert_ns_inside_gather0_window"] else "no",
+                    "yes" if e["gather0_in_flight_during_expert_ns"] else "no",
+                ]
+            )
     table = common.md_table(
-        ["rank", "schedule", "step ms", "gather 0 bytes", "gather 0 launched", "expert NS start", "expert NS end",
-         "gather 0 completed", "gather 0 waited for", "expert NS before the wait",
-         "gather 0 still in flight at expert NS start"], rows)
+        [
+            "rank",
+            "schedule",
+            "step ms",
+            "gather 0 bytes",
+            "gather 0 launched",
+            "expert NS start",
+            "expert NS end",
+            "gather 0 completed",
+            "gather 0 waited for",
+            "expert NS before the wait",
+            "gather 0 still in flight at expert NS start",
+        ],
+        rows,
+    )
     return (
         f"Tiny MoE GPT (2 layers, 4 experts top-2, hidden {data['model_spec']['hidden_size']}, expert ffn "
         f"{data['model_spec']['moe_ffn_hidden_size']}), dense TP2 with sequence parallelism and experts EP2 on 2 ranks, dense pipeline chunks of about "
@@ -174,16 +220,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
     device = common.pick_device(args.device)
-    spec = dict(hidden_size=args.hidden, ffn_hidden_size=2 * args.hidden, moe_ffn_hidden_size=args.hidden,
-                sequence_parallel=True)
+    spec = dict(
+        hidden_size=args.hidden,
+        ffn_hidden_size=2 * args.hidden,
+        moe_ffn_hidden_size=args.hidden,
+        sequence_parallel=True,
+    )
     # Dense weights TP2, experts EP2 x expert-TP1 (Megatron's MoE parallel folding): every dense
     # matrix is split over both ranks, so the dense pipeline's gathers always carry pieces (with
     # DP only, the planner keeps whole matrices where they are and chunk 0 may move nothing).
     ranks = common.launch(rank_main, 2, spec, args.chunk_numel, device=device, tp=2, ep=2, etp=1)
     for r in ranks:
         r["evidence"] = {mode: evidence(r[mode]) for mode in ("overlap", "sequential")}
-    data = dict(env=common.environment(device), model_spec=spec, chunk_numel=args.chunk_numel,
-                png_name=f"{args.name}.png", ranks=ranks)
+    data = dict(
+        env=common.environment(device),
+        model_spec=spec,
+        chunk_numel=args.chunk_numel,
+        png_name=f"{args.name}.png",
+        ranks=ranks,
+    )
     if not common.is_main_process():
         return data
     from tools.bench.plots import have_matplotlib
@@ -196,10 +251,15 @@ def main(argv=None) -> Dict[str, Any]:
     paths = common.write_outputs(args.out, args.name, data, markdown(data))
     for r in ranks:
         e = r["evidence"]["overlap"]
-        print(f"rank {r['rank']}: gather 0 launched {e['gather0_launched_ms']:.2f} ms, expert NS "
-              f"{e['expert_ns_start_ms']:.2f}-{e['expert_ns_end_ms']:.2f} ms, gather 0 completed "
-              f"{e['gather0_completed_ms']:.2f} ms, waited for at {e['gather0_waited_ms']:.2f} ms")
-    print(f"wrote {paths['json']} and {paths['markdown']}" + (f" and {Path(args.out) / data['png_name']}" if data["png_name"] else ""))
+        print(
+            f"rank {r['rank']}: gather 0 launched {e['gather0_launched_ms']:.2f} ms, expert NS "
+            f"{e['expert_ns_start_ms']:.2f}-{e['expert_ns_end_ms']:.2f} ms, gather 0 completed "
+            f"{e['gather0_completed_ms']:.2f} ms, waited for at {e['gather0_waited_ms']:.2f} ms"
+        )
+    print(
+        f"wrote {paths['json']} and {paths['markdown']}"
+        + (f" and {Path(args.out) / data['png_name']}" if data["png_name"] else "")
+    )
     return data
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -93,9 +93,17 @@ def _scheduler(optimizer, hyper: Hyper):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     return OptimizerParamScheduler(
-        optimizer, init_lr=hyper.lr, max_lr=hyper.lr, min_lr=hyper.lr, lr_warmup_steps=0,
-        lr_decay_steps=10**6, lr_decay_style="constant", start_wd=hyper.weight_decay,
-        end_wd=hyper.weight_decay, wd_incr_steps=10**6, wd_incr_style="constant",
+        optimizer,
+        init_lr=hyper.lr,
+        max_lr=hyper.lr,
+        min_lr=hyper.lr,
+        lr_warmup_steps=0,
+        lr_decay_steps=10**6,
+        lr_decay_style="constant",
+        start_wd=hyper.weight_decay,
+        end_wd=hyper.weight_decay,
+        wd_incr_steps=10**6,
+        wd_incr_style="constant",
     )
 
 
@@ -111,8 +119,14 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
     common = dict(
-        lr=hyper.lr, min_lr=hyper.lr, weight_decay=hyper.weight_decay, clip_grad=hyper.clip_grad,
-        bf16=True, params_dtype=torch.bfloat16, adam_beta1=0.9, adam_beta2=0.95,
+        lr=hyper.lr,
+        min_lr=hyper.lr,
+        weight_decay=hyper.weight_decay,
+        clip_grad=hyper.clip_grad,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
     )
     if name.startswith("megatron_muon"):
         from megatron.core.distributed import DistributedDataParallelConfig
@@ -125,23 +139,39 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         params = [p for c in chunks for p in c.parameters()]
         # The same DDP settings as wrap_ddp, so the layout matches the buffers it builds.
         layout = LayerWiseDistributedOptimizer.compute_full_param_layout(
-            params, None, parallel_state.get_data_parallel_world_size(),
+            params,
+            None,
+            parallel_state.get_data_parallel_world_size(),
             DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
         )
         model = M.wrap_ddp(chunks, chunks[0].config, full_param_layout=layout)
         cfg = OptimizerConfig(
-            optimizer="muon", use_distributed_optimizer=True, use_layer_wise_distributed_optimizer=True,
-            muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_nesterov=True,
-            muon_coefficient_type="simple", muon_num_ns_steps=5, muon_split_qkv=True, **common,
+            optimizer="muon",
+            use_distributed_optimizer=True,
+            use_layer_wise_distributed_optimizer=True,
+            muon_tp_mode=_tp_mode(name),
+            muon_momentum=hyper.momentum,
+            muon_nesterov=True,
+            muon_coefficient_type="simple",
+            muon_num_ns_steps=5,
+            muon_split_qkv=True,
+            **common,
         )
         opt = get_megatron_optimizer(cfg, model)
     elif name.startswith("ours"):
         layout = "megatron" if name.endswith("_megatron_layout") else "owner_aligned"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
         offload = name.endswith("_offload")
-        cfg = MuonConfig(muon_tp_mode=_tp_mode(name), muon_momentum=hyper.momentum, muon_buffer_layout=layout,
-                         muon_cpu_offload=offload, optimizer_cpu_offload=offload, optimizer_offload_fraction=1.0,
-                         **chunking, **common)
+        cfg = MuonConfig(
+            muon_tp_mode=_tp_mode(name),
+            muon_momentum=hyper.momentum,
+            muon_buffer_layout=layout,
+            muon_cpu_offload=offload,
+            optimizer_cpu_offload=offload,
+            optimizer_offload_fraction=1.0,
+            **chunking,
+            **common,
+        )
         model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg)
         opt = get_muon_optimizer(cfg, model)
     elif name == BASELINE:
@@ -262,9 +292,7 @@ def count_traffic():
 def matrix_params(chunk: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
     """The weights every Muon peer orthogonalizes: 2-D, not embedding / output layer."""
     return {
-        n: p
-        for n, p in chunk.named_parameters()
-        if p.dim() == 2 and "embedding" not in n and "output_layer" not in n
+        n: p for n, p in chunk.named_parameters() if p.dim() == 2 and "embedding" not in n and "output_layer" not in n
     }
 
 
@@ -293,8 +321,11 @@ def capture_local_grads(params: Dict[str, torch.nn.Parameter]) -> Iterator[Dict[
 
 def attention_dims(config) -> Dict[str, int]:
     """The TransformerConfig fields that decide a fused QKV weight's Q/K/V split."""
-    return dict(num_attention_heads=config.num_attention_heads, num_query_groups=config.num_query_groups,
-                kv_channels=config.kv_channels)
+    return dict(
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups,
+        kv_channels=config.kv_channels,
+    )
 
 
 def logical_parts(name: str, full: torch.Tensor, dims: Dict[str, int]) -> Dict[str, torch.Tensor]:

@@ -26,8 +26,13 @@ if __name__ == "__main__":
 
 from tools.bench import common
 
-KIND_COLORS = {"all_gather": "#4c72b0", "all_to_all": "#c44e52", "all_reduce": "#55a868",
-               "reduce_scatter": "#8172b2", "broadcast": "#ccb974"}
+KIND_COLORS = {
+    "all_gather": "#4c72b0",
+    "all_to_all": "#c44e52",
+    "all_reduce": "#55a868",
+    "reduce_scatter": "#8172b2",
+    "broadcast": "#ccb974",
+}
 
 
 def _plt():
@@ -89,10 +94,20 @@ def step_error(data: Dict[str, Any], path: Path) -> Path:
     labels = [data["peers"][n]["label"] for n in names]
     fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(labels) + 1.2))
     ys = range(len(names))
-    ax.barh([y - 0.2 for y in ys], [errors[n]["vs_polar_mean"] for n in names], height=0.38, color="#4c72b0",
-            label="vs polar factor U V^T (mean over matrices)")
-    ax.barh([y + 0.2 for y in ys], [errors[n]["vs_ns_mean"] for n in names], height=0.38, color="#c44e52",
-            label="vs fp32 Newton–Schulz of the full matrix")
+    ax.barh(
+        [y - 0.2 for y in ys],
+        [errors[n]["vs_polar_mean"] for n in names],
+        height=0.38,
+        color="#4c72b0",
+        label="vs polar factor U V^T (mean over matrices)",
+    )
+    ax.barh(
+        [y + 0.2 for y in ys],
+        [errors[n]["vs_ns_mean"] for n in names],
+        height=0.38,
+        color="#c44e52",
+        label="vs fp32 Newton–Schulz of the full matrix",
+    )
     ax.set_yticks(list(ys), labels)
     ax.invert_yaxis()
     ax.set_xlabel("distance of the update's direction (unit Frobenius norm)")
@@ -129,8 +144,15 @@ def scale_model(data: Dict[str, Any], path: Path) -> Path:
     for k, (name, p) in enumerate(preds.items()):
         ys = [i + k * height for i in range(len(schemes))]
         axes[0].barh(ys, [p["schemes"][s]["step_ms"] for s in schemes], height=height, label=name)
-        axes[1].barh(ys, [(p["schemes"][s]["intra_bytes_max_rank"] + p["schemes"][s]["inter_bytes_max_rank"]) / 2**20
-                          for s in schemes], height=height, label=name)
+        axes[1].barh(
+            ys,
+            [
+                (p["schemes"][s]["intra_bytes_max_rank"] + p["schemes"][s]["inter_bytes_max_rank"]) / 2**20
+                for s in schemes
+            ],
+            height=height,
+            label=name,
+        )
     labels = [next(iter(preds.values()))["schemes"][s]["label"] for s in schemes]
     for ax in axes:
         ax.set_yticks([i + height * (len(preds) - 1) / 2 for i in range(len(schemes))], labels, fontsize=8)
@@ -143,8 +165,11 @@ def scale_model(data: Dict[str, Any], path: Path) -> Path:
 
 
 CHARTS = {
-    "optimizer_step": [("optimizer_step_time.png", step_time), ("optimizer_step_bytes.png", step_bytes),
-                       ("optimizer_step_error.png", step_error)],
+    "optimizer_step": [
+        ("optimizer_step_time.png", step_time),
+        ("optimizer_step_bytes.png", step_bytes),
+        ("optimizer_step_error.png", step_error),
+    ],
     "optimizer_step_gpu": [("optimizer_step_gpu_time.png", step_time)],
     "newton_schulz": [("newton_schulz.png", newton_schulz)],
     "scale_model": [("scale_model.png", scale_model)],

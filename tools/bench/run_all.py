@@ -59,13 +59,23 @@ def steps(quick: bool, out: Path) -> List[Tuple[str, List[str]]]:
     q = ["--quick"] if quick else []
     plan = [("optimizer_step", ["optimizer_step.py", "--device", "cpu", *q, *o])]
     if gpu:
-        plan.append(("optimizer_step_gpu", ["optimizer_step.py", "--device", "cuda", "--name", "optimizer_step_gpu", *o]))
+        plan.append(
+            ("optimizer_step_gpu", ["optimizer_step.py", "--device", "cuda", "--name", "optimizer_step_gpu", *o])
+        )
     plan.append(("newton_schulz", ["newton_schulz.py", *q, *o]))
     trace_device = "cuda" if gpu and torch.cuda.device_count() >= 2 else "cpu"
     trace = ["overlap_trace.py", "--device", trace_device, *o]
     if trace_device == "cuda":
-        trace = ["-m", "torch.distributed.run", "--nproc-per-node", "2", _shown(HERE / "overlap_trace.py"),
-                 "--device", "cuda", *o]
+        trace = [
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            _shown(HERE / "overlap_trace.py"),
+            "--device",
+            "cuda",
+            *o,
+        ]
     plan.append(("overlap_trace", trace))
     plan.append(("scale_model", ["scale_model.py", "--validate", _shown(out / "optimizer_step.json"), *o]))
     plan.append(("plots", ["plots.py", *o]))
@@ -94,7 +104,7 @@ def _block(name: str, out: Path, docs: Path) -> str:
             return "_not run yet_"
         data = json.loads(path.read_text())
         rows = [[k, v] for k, v in data["seconds"].items()] + [["total", data["total_s"]]]
-        return (f"{common.provenance(data['env'])}\n\n" + common.md_table(["step", "seconds"], rows))
+        return f"{common.provenance(data['env'])}\n\n" + common.md_table(["step", "seconds"], rows)
     md = out / f"{name}.md"
     if not md.exists():
         return "_not run yet (GPU box only)_" if name.endswith("_gpu") else "_not run yet_"
@@ -133,8 +143,10 @@ def main(argv=None) -> Dict[str, float]:
         seconds = run_steps(steps(args.quick, args.out))
         total = time.perf_counter() - start
         device = "cpu" if args.quick else common.pick_device("auto")
-        (args.out / "run_all.json").write_text(json.dumps(
-            dict(env=common.environment(device), quick=args.quick, seconds=seconds, total_s=total), indent=1) + "\n")
+        (args.out / "run_all.json").write_text(
+            json.dumps(dict(env=common.environment(device), quick=args.quick, seconds=seconds, total_s=total), indent=1)
+            + "\n"
+        )
         print(f"\nall benchmarks: {total:.0f} s")
     args.docs.write_text(render_docs(args.out, args.docs))
     print(f"updated {args.docs}")

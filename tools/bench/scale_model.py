@@ -47,19 +47,37 @@ if __name__ == "__main__":
 from tools.bench import common
 from tools.bench import model_shapes as S
 
-SCHEMES = ("adamw", "megatron_blockwise", "megatron_duplicated", "megatron_distributed", "ours_exact",
-           "ours_blockwise", "ours_duplicated", "ours_exact_megatron_layout")
+SCHEMES = (
+    "adamw",
+    "megatron_blockwise",
+    "megatron_duplicated",
+    "megatron_distributed",
+    "ours_exact",
+    "ours_blockwise",
+    "ours_duplicated",
+    "ours_exact_megatron_layout",
+)
 LABELS = {
-    "adamw": "AdamW (Megatron DistOpt)", "megatron_blockwise": "Megatron Muon, blockwise",
-    "megatron_duplicated": "Megatron Muon, duplicated", "megatron_distributed": "Megatron Muon, distributed",
-    "ours_exact": "ours, exact", "ours_blockwise": "ours, blockwise", "ours_duplicated": "ours, duplicated",
+    "adamw": "AdamW (Megatron DistOpt)",
+    "megatron_blockwise": "Megatron Muon, blockwise",
+    "megatron_duplicated": "Megatron Muon, duplicated",
+    "megatron_distributed": "Megatron Muon, distributed",
+    "ours_exact": "ours, exact",
+    "ours_blockwise": "ours, blockwise",
+    "ours_duplicated": "ours, duplicated",
     "ours_exact_megatron_layout": "ours, exact, Megatron's byte-level buffers",
 }
 # The peers of optimizer_step.py, by scheme.
-PEER_OF = {"adamw": "megatron_adamw", "megatron_blockwise": "megatron_muon_blockwise",
-           "megatron_duplicated": "megatron_muon_duplicated", "megatron_distributed": "megatron_muon_distributed",
-           "ours_exact": "ours_exact", "ours_blockwise": "ours_blockwise", "ours_duplicated": "ours_duplicated",
-           "ours_exact_megatron_layout": "ours_exact_megatron_layout"}
+PEER_OF = {
+    "adamw": "megatron_adamw",
+    "megatron_blockwise": "megatron_muon_blockwise",
+    "megatron_duplicated": "megatron_muon_duplicated",
+    "megatron_distributed": "megatron_muon_distributed",
+    "ours_exact": "ours_exact",
+    "ours_blockwise": "ours_blockwise",
+    "ours_duplicated": "ours_duplicated",
+    "ours_exact_megatron_layout": "ours_exact_megatron_layout",
+}
 NS_STEPS = 5
 COMM_BYTES = 2  # our pieces travel in bf16 (muon_comm_dtype)
 # Bytes of HBM traffic per optimizer-state element and step (reads + writes of grad,
@@ -92,7 +110,9 @@ class Cluster:
     def __post_init__(self) -> None:
         self.etp = self.etp or self.tp
         if self.gpus % (self.tp * self.pp) or self.gpus % (self.pp * self.ep * self.etp):
-            raise ValueError(f"{self.gpus} GPUs do not divide into TP{self.tp} x PP{self.pp} / EP{self.ep} x ETP{self.etp}")
+            raise ValueError(
+                f"{self.gpus} GPUs do not divide into TP{self.tp} x PP{self.pp} / EP{self.ep} x ETP{self.etp}"
+            )
 
     @property
     def dp(self) -> int:
@@ -119,21 +139,34 @@ class Cluster:
 
     def describe(self) -> str:
         muon = "".join(f", {k}={v}" for k, v in self.muon)
-        return (f"{self.gpus} GPUs ({self.gpus // self.gpus_per_node} nodes of {self.gpus_per_node}): TP{self.tp} x "
-                f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}{muon}")
+        return (
+            f"{self.gpus} GPUs ({self.gpus // self.gpus_per_node} nodes of {self.gpus_per_node}): TP{self.tp} x "
+            f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}{muon}"
+        )
 
 
 SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
-    "llama3_8b": ("llama3_8b", Cluster(gpus=64, tp=2),
-                  "TP2 with sequence parallelism (the recipe's), DP32 over 8 nodes"),
-    "moonlight_16b_a3b": ("moonlight_16b_a3b", Cluster(gpus=128, tp=1, ep=8),
-                          "TP1, EP8 (the recipe's) inside a node, DP128 / expert DP16 over 16 nodes"),
-    "deepseek_v3": ("deepseek_v3", Cluster(gpus=2048, tp=1, pp=16, ep=64),
-                    "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2"),
+    "llama3_8b": (
+        "llama3_8b",
+        Cluster(gpus=64, tp=2),
+        "TP2 with sequence parallelism (the recipe's), DP32 over 8 nodes",
+    ),
+    "moonlight_16b_a3b": (
+        "moonlight_16b_a3b",
+        Cluster(gpus=128, tp=1, ep=8),
+        "TP1, EP8 (the recipe's) inside a node, DP128 / expert DP16 over 16 nodes",
+    ),
+    "deepseek_v3": (
+        "deepseek_v3",
+        Cluster(gpus=2048, tp=1, pp=16, ep=64),
+        "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2",
+    ),
     "deepseek_v3_gram_glu": (
-        "deepseek_v3", Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"), ("muon_split_glu", True))),
+        "deepseek_v3",
+        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"), ("muon_split_glu", True))),
         "the same layout with two non-default Muon settings: Gram Newton–Schulz where the aspect ratio pays "
-        "(muon_ns_method='auto') and the gate and up halves of every gated fc1 as two matrices (muon_split_glu)"),
+        "(muon_ns_method='auto') and the gate and up halves of every gated fc1 as two matrices (muon_split_glu)",
+    ),
 }
 
 
@@ -189,8 +222,17 @@ def _logical(sp: S.StageParam, m: S.ModelShape, cfg, tp_size: int):
     # The layout rules recognise fused QKV / MLA weights by their parent module's class.
     parent_cls = {"attention": SelfAttention, "mla": MLASelfAttention}.get(sp.parent_kind)
     parent = parent_cls.__new__(parent_cls) if parent_cls else None
-    ctx = ParamContext(name=sp.name, param=sp.param, module=ShapeOnlyLinear(), attr="weight", parent=parent,
-                       parent_attr=sp.parent_attr, model_config=m.model_config(), config=cfg, tp_size=tp_size)
+    ctx = ParamContext(
+        name=sp.name,
+        param=sp.param,
+        module=ShapeOnlyLinear(),
+        attr="weight",
+        parent=parent,
+        parent_attr=sp.parent_attr,
+        model_config=m.model_config(),
+        config=cfg,
+        tp_size=tp_size,
+    )
     return MuonParam(0, sp.name, sp.param, logical_matrices(ctx))
 
 
@@ -213,25 +255,31 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
             costs.by_kind[scheme]["all_gather"] += ag * ranks
 
 
-def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str,
-               owner_aligned: bool) -> None:
+def _our_costs(
+    costs: RankCosts, scheme: str, params: List[S.StageParam], layouts, m, c: Cluster, mode: str, owner_aligned: bool
+) -> None:
     from megatron_muon.planner import plan_for_config
     from megatron_muon.process_groups import OrthoGroup
     from megatron_muon.shard_map import dp_ranges_in_layout
 
     # Multi-rank Newton–Schulz is priced at this cluster's rates.
     flop_rate = c.peak_tflops * 1e12 * c.ns_efficiency
-    cfg = c.muon_config(muon_tp_mode=mode,
-                        muon_ns_intra_node_flops_per_byte=flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
-                        muon_ns_inter_node_flops_per_byte=flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency))
+    cfg = c.muon_config(
+        muon_tp_mode=mode,
+        muon_ns_intra_node_flops_per_byte=flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
+        muon_ns_inter_node_flops_per_byte=flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency),
+    )
     for expert in (False, True):
         size, n = (c.etp, c.edp) if expert else (c.tp, c.dp)
         chosen = [sp for sp in params if sp.is_matrix and sp.expert == expert and not sp.router]
         if not chosen:
             continue
         # The Muon matrices' buffer: the tagged one under our owner-aligned layout, else the only one.
-        layout = next(lay for k, lay in layouts.layouts.items()
-                      if k.is_expert_parallel == expert and (k.is_managed_by_layer_wise_optimizer or not owner_aligned))
+        layout = next(
+            lay
+            for k, lay in layouts.layouts.items()
+            if k.is_expert_parallel == expert and (k.is_managed_by_layer_wise_optimizer or not owner_aligned)
+        )
         muon = [_logical(sp, m, cfg, size) for sp in chosen]
         ranges = {i: dp_ranges_in_layout(layout, sp.param, n) for i, sp in enumerate(chosen)}
         # Group ranks in global-rank order, as build_ortho_group orders them; their nodes as
@@ -253,8 +301,7 @@ def _our_costs(costs: RankCosts, scheme: str, params: List[S.StageParam], layout
                     for e in range(c.ep if expert else 1):
                         holder, owner = rank_of(c, expert, seg.tp, seg.dp, e), rank_of(c, expert, t_o, d_o, e)
                         src = holder if direction == "gather" else owner
-                        costs.send(scheme, "all_to_all", src, c.node(holder) == c.node(owner),
-                                   seg.numel * COMM_BYTES)
+                        costs.send(scheme, "all_to_all", src, c.node(holder) == c.node(owner), seg.numel * COMM_BYTES)
         if not expert:
             costs.chunks[scheme] = len(plan.chunks)
 
@@ -269,12 +316,20 @@ def _owner_aligned_layout(params: List[S.StageParam], m, c: Cluster, bucket: Opt
         if hasattr(sp.param, "is_managed_by_layer_wise_optimizer"):
             del sp.param.is_managed_by_layer_wise_optimizer
         if sp.is_matrix and not sp.router:
-            flops[sp.param] = muon_param_flops(_logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS,
-                                              cfg.muon_ns_method)
+            flops[sp.param] = muon_param_flops(
+                _logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS, cfg.muon_ns_method
+            )
     tag_muon_params(list(flops))
     per_node = (max(1, c.gpus_per_node // c.tp), max(1, c.gpus_per_node // (c.etp * c.ep)))
-    return compute_full_param_layout([sp.param for sp in params], flops, bucket, c.dp,
-                                     S.ddp_config(c.grad_reduce_in_fp32), c.edp, shards_per_node=per_node)
+    return compute_full_param_layout(
+        [sp.param for sp in params],
+        flops,
+        bucket,
+        c.dp,
+        S.ddp_config(c.grad_reduce_in_fp32),
+        c.edp,
+        shards_per_node=per_node,
+    )
 
 
 def _multirank_costs(costs: RankCosts, scheme: str, plan, coords, c: Cluster, expert: bool) -> None:
@@ -300,7 +355,9 @@ def _multirank_costs(costs: RankCosts, scheme: str, plan, coords, c: Cluster, ex
                 costs.send(scheme, "all_reduce", r, one_node, nbytes["all_reduce"], sync=True)
 
 
-def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[Tuple[int, int], Tuple[int, int], Optional[int]]]:
+def _megatron_parts(
+    sp: S.StageParam, m: S.ModelShape, size: int
+) -> List[Tuple[Tuple[int, int], Tuple[int, int], Optional[int]]]:
     """(local shape, full shape, partition dim) of each matrix Megatron's Muon orthogonalizes
     for one param: fused QKV split into Q, K, V (its ``split_qkv``), anything else whole."""
     from megatron_muon.matrices import qkv_parts
@@ -316,8 +373,8 @@ def _megatron_parts(sp: S.StageParam, m: S.ModelShape, size: int) -> List[Tuple[
 
 
 def _megatron_costs(costs: RankCosts, params: List[S.StageParam], layouts, m, c: Cluster) -> None:
-    from megatron_muon.shard_map import holder_dp_rank
     from megatron_muon.newton_schulz import newton_schulz_flops
+    from megatron_muon.shard_map import holder_dp_rank
 
     for sp in params:
         if not getattr(sp.param, "is_managed_by_layer_wise_optimizer", False):
@@ -331,12 +388,20 @@ def _megatron_costs(costs: RankCosts, params: List[S.StageParam], layouts, m, c:
             other = local[0] if dim == 0 else local[1]
             work = {
                 "megatron_blockwise": (newton_schulz_flops(*local, NS_STEPS), 0, None),
-                "megatron_duplicated": (newton_schulz_flops(*full, NS_STEPS),
-                                        (size - 1) * local[0] * local[1] * 4 if sharded else 0, "all_gather"),
+                "megatron_duplicated": (
+                    newton_schulz_flops(*full, NS_STEPS),
+                    (size - 1) * local[0] * local[1] * 4 if sharded else 0,
+                    "all_gather",
+                ),
                 "megatron_distributed": (
-                    NS_STEPS * (4 * side * side * other + 2 * side**3) if sharded else newton_schulz_flops(*local, NS_STEPS),
-                    (NS_STEPS * (2 * (size - 1) * side * side * 2 // size) + 2 * (size - 1) * 4 // size) if sharded else 0,
-                    "all_reduce"),
+                    NS_STEPS * (4 * side * side * other + 2 * side**3)
+                    if sharded
+                    else newton_schulz_flops(*local, NS_STEPS),
+                    (NS_STEPS * (2 * (size - 1) * side * side * 2 // size) + 2 * (size - 1) * 4 // size)
+                    if sharded
+                    else 0,
+                    "all_reduce",
+                ),
             }
             for t in range(size):
                 for e in range(c.ep if sp.expert else 1):
@@ -418,17 +483,31 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
                 buffers.append(st.buffers[scheme][i])
         total = sum(flops)
         rows[scheme] = dict(
-            label=LABELS[scheme], ns_flops_total=total, ns_share_of_model=total / m.model_flops,
-            ns_flops_max_rank=max(flops), imbalance=critical[1], busiest_stage=critical[2],
-            intra_bytes_max_rank=max(intra), inter_bytes_max_rank=max(inter), ddp_bytes_max_rank=max(ddp),
+            label=LABELS[scheme],
+            ns_flops_total=total,
+            ns_share_of_model=total / m.model_flops,
+            ns_flops_max_rank=max(flops),
+            imbalance=critical[1],
+            busiest_stage=critical[2],
+            intra_bytes_max_rank=max(intra),
+            inter_bytes_max_rank=max(inter),
+            ddp_bytes_max_rank=max(ddp),
             ddp_buffer_bytes_max_rank=max(buffers),
-            step_ms=max(times) * 1e3, step_share_of_train=max(times) / train_step_s,
+            step_ms=max(times) * 1e3,
+            step_share_of_train=max(times) / train_step_s,
         )
     for row in rows.values():
         row["ratio"] = row["step_ms"] / rows["adamw"]["step_ms"]
-    return dict(model=m.name, active_params=m.active_params, tokens_per_step=m.tokens_per_step,
-                model_flops=m.model_flops, train_step_ms=train_step_s * 1e3, cluster=asdict(c),
-                layout=c.describe(), schemes=rows)
+    return dict(
+        model=m.name,
+        active_params=m.active_params,
+        tokens_per_step=m.tokens_per_step,
+        model_flops=m.model_flops,
+        train_step_ms=train_step_s * 1e3,
+        cluster=asdict(c),
+        layout=c.describe(),
+        schemes=rows,
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -457,8 +536,13 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
         counted = measured["peers"][peer]
         model = {k: v / c.gpus for k, v in costs.by_kind[scheme].items()}
         pairs = [(f"step() {k}", model.get(k, 0.0), counted["step_bytes"]["per_rank_mean"].get(k, 0.0)) for k in KINDS]
-        pairs.append(("train step reduce_scatter", model.get("reduce_scatter", 0.0),
-                      counted["train_bytes"]["per_rank_mean"].get("reduce_scatter", 0.0)))
+        pairs.append(
+            (
+                "train step reduce_scatter",
+                model.get("reduce_scatter", 0.0),
+                counted["train_bytes"]["per_rank_mean"].get("reduce_scatter", 0.0),
+            )
+        )
         for what, mod, cnt in pairs:
             if mod == 0 and cnt == 0:
                 continue
@@ -467,8 +551,9 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
             if checked:
                 worst = max(worst, err)
             rows.append(dict(scheme=scheme, what=what, model=mod, counted=cnt, rel_err=err, checked=checked))
-    return dict(rows=rows, max_rel_err=worst, tolerance=TOLERANCE, ok=worst <= TOLERANCE,
-                source=measured["env"]["command"])
+    return dict(
+        rows=rows, max_rel_err=worst, tolerance=TOLERANCE, ok=worst <= TOLERANCE, source=measured["env"]["command"]
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -493,25 +578,62 @@ def markdown(data: Dict[str, Any]) -> str:
             f"model {p['model_flops']:.3g} FLOP per step = {p['train_step_ms']:.0f} ms per train step at "
             f"{c['mfu']:.0%} MFU. Assumed: {c['peak_tflops']:.0f} TFLOP/s bf16 peak, NS at {c['ns_efficiency']:.0%} "
             f"of it, links {c['intra_gbps']:.0f} / {c['inter_gbps']:.0f} GB/s intra / inter node at "
-            f"{c['link_efficiency']:.0%}.\n")
-        rows = [[r["label"], r["ns_flops_total"] / 1e12, r["ns_share_of_model"] * 100, r["ns_flops_max_rank"] / 1e12,
-                 _imbalance(r, c["pp"]), common.human_bytes(r["intra_bytes_max_rank"]),
-                 common.human_bytes(r["inter_bytes_max_rank"]), common.human_bytes(r["ddp_bytes_max_rank"]),
-                 common.human_bytes(r["ddp_buffer_bytes_max_rank"]), r["step_ms"], r["ratio"],
-                 r["step_share_of_train"] * 100] for r in p["schemes"].values()]
-        parts.append(common.md_table(
-            ["scheme", "NS TFLOP/step (all GPUs)", "NS % of model FLOPs", "NS TFLOP max GPU", "NS max/mean (busiest stage)",
-             "extra intra-node bytes (max GPU)", "extra inter-node bytes (max GPU)", "DDP RS+AG bytes (max GPU)",
-             "DDP grad+param buffers (max GPU)", "opt. step ms (model)", "/ AdamW", "% of train step"], rows))
+            f"{c['link_efficiency']:.0%}.\n"
+        )
+        rows = [
+            [
+                r["label"],
+                r["ns_flops_total"] / 1e12,
+                r["ns_share_of_model"] * 100,
+                r["ns_flops_max_rank"] / 1e12,
+                _imbalance(r, c["pp"]),
+                common.human_bytes(r["intra_bytes_max_rank"]),
+                common.human_bytes(r["inter_bytes_max_rank"]),
+                common.human_bytes(r["ddp_bytes_max_rank"]),
+                common.human_bytes(r["ddp_buffer_bytes_max_rank"]),
+                r["step_ms"],
+                r["ratio"],
+                r["step_share_of_train"] * 100,
+            ]
+            for r in p["schemes"].values()
+        ]
+        parts.append(
+            common.md_table(
+                [
+                    "scheme",
+                    "NS TFLOP/step (all GPUs)",
+                    "NS % of model FLOPs",
+                    "NS TFLOP max GPU",
+                    "NS max/mean (busiest stage)",
+                    "extra intra-node bytes (max GPU)",
+                    "extra inter-node bytes (max GPU)",
+                    "DDP RS+AG bytes (max GPU)",
+                    "DDP grad+param buffers (max GPU)",
+                    "opt. step ms (model)",
+                    "/ AdamW",
+                    "% of train step",
+                ],
+                rows,
+            )
+        )
         parts.append("")
     v = data.get("validation")
     if v:
-        rows = [[r["scheme"], r["what"], int(r["model"]), int(r["counted"]),
-                 r["rel_err"] * 100 if r["checked"] else "(not modelled)"] for r in v["rows"]]
+        rows = [
+            [
+                r["scheme"],
+                r["what"],
+                int(r["model"]),
+                int(r["counted"]),
+                r["rel_err"] * 100 if r["checked"] else "(not modelled)",
+            ]
+            for r in v["rows"]
+        ]
         parts.append(
             f"**Validation** against the bytes `optimizer_step.py` counted (`{v['source']}`), mean per rank per step; "
             f"largest difference {v['max_rel_err'] * 100:.3f} % (tolerance {v['tolerance'] * 100:.0f} %). Not modelled: "
-            "the scalar all-reduces of the grad norm and zero count, a few bytes per step.\n")
+            "the scalar all-reduces of the grad norm and zero count, a few bytes per step.\n"
+        )
         parts.append(common.md_table(["scheme", "bytes", "model", "counted", "difference %"], rows))
     return "\n".join(parts) + "\n"
 
@@ -526,16 +648,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument(f"--{flag}", type=int)
     for flag in ("intra-gbps", "inter-gbps", "link-efficiency", "peak-tflops", "ns-efficiency", "hbm-gbps", "mfu"):
         p.add_argument(f"--{flag}", type=float)
-    p.add_argument("--validate", type=Path, nargs="?", const=common.DEFAULT_OUT / "optimizer_step.json",
-                   help="optimizer_step.py's JSON to check the bytes against (default: docs/bench/optimizer_step.json)")
+    p.add_argument(
+        "--validate",
+        type=Path,
+        nargs="?",
+        const=common.DEFAULT_OUT / "optimizer_step.json",
+        help="optimizer_step.py's JSON to check the bytes against (default: docs/bench/optimizer_step.json)",
+    )
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="scale_model")
     return p.parse_args(argv)
 
 
 def _cluster_overrides(args: argparse.Namespace) -> Dict[str, Any]:
-    names = ("gpus", "tp", "pp", "ep", "etp", "gpus_per_node", "intra_gbps", "inter_gbps", "link_efficiency",
-             "peak_tflops", "ns_efficiency", "hbm_gbps", "mfu")
+    names = (
+        "gpus",
+        "tp",
+        "pp",
+        "ep",
+        "etp",
+        "gpus_per_node",
+        "intra_gbps",
+        "inter_gbps",
+        "link_efficiency",
+        "peak_tflops",
+        "ns_efficiency",
+        "hbm_gbps",
+        "mfu",
+    )
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
@@ -566,13 +706,24 @@ def main(argv=None) -> Dict[str, Any]:
     paths = common.write_outputs(args.out, args.name, data, markdown(data))
     for name, p in predictions.items():
         print(f"\n{name}: {p['layout']}")
-        rows = [[r["label"], r["ns_share_of_model"] * 100, r["imbalance"], common.human_bytes(r["inter_bytes_max_rank"]),
-                 r["step_ms"], r["ratio"]] for r in p["schemes"].values()]
+        rows = [
+            [
+                r["label"],
+                r["ns_share_of_model"] * 100,
+                r["imbalance"],
+                common.human_bytes(r["inter_bytes_max_rank"]),
+                r["step_ms"],
+                r["ratio"],
+            ]
+            for r in p["schemes"].values()
+        ]
         print(common.text_table(["scheme", "NS % model", "NS max/mean", "inter-node B", "opt ms", "/ AdamW"], rows))
     if "validation" in data:
         v = data["validation"]
-        print(f"\nvalidation: largest difference model vs counted {v['max_rel_err'] * 100:.3f} % "
-              f"(tolerance {v['tolerance'] * 100:.0f} %): {'ok' if v['ok'] else 'OFF'}")
+        print(
+            f"\nvalidation: largest difference model vs counted {v['max_rel_err'] * 100:.3f} % "
+            f"(tolerance {v['tolerance'] * 100:.0f} %): {'ok' if v['ok'] else 'OFF'}"
+        )
     print(f"wrote {paths['json']} and {paths['markdown']}")
     return data
 
