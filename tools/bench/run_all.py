@@ -3,8 +3,7 @@
 
 ``--quick`` (a laptop or CI box, CPU only, a few minutes): the peers on the tiny model
 (4 gloo ranks, DP2 x TP2), Newton–Schulz at small shapes, the MoE overlap trace, the scale
-model (checked against the counted bytes), charts, and the ``MuonConfig`` table of
-``docs/usage.md``. Without ``--quick``, on a GPU box: the same CPU peer run (it is the
+model (checked against the counted bytes) and charts. Without ``--quick``, on a GPU box: the same CPU peer run (it is the
 one with TP and DP), plus the peers on a larger model on one GPU (``optimizer_step_gpu``),
 Newton–Schulz at the real shapes with ``torch.compile``, and the overlap trace on two
 GPUs when there are two (on gloo otherwise).
