@@ -203,24 +203,26 @@ def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dic
     return out
 
 
+def common_state(step: int, optimizers: Dict[str, Any], muon_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The non-tensor part of a Muon optimizer checkpoint, the one schema (the converter
+    writes it too): format, successful steps, each optimizer's grad scaler and parameter
+    groups (``MuonDistributedOptimizer.common_state``), the ``MuonConfig`` settings saved."""
+    return {"format": FORMAT, "step": step, "optimizers": optimizers, "muon_config": muon_config}
+
+
 def optimizer_sharded_state(chain, model_sharded_state_dict, is_loading: bool) -> Dict[str, Any]:
     """The ``MuonChainedOptimizer``'s whole sharded state (``sharded_state_dict``)."""
     param_state: Dict[str, object] = {}
     for opt in chain.muon_optimizers:
         param_state.update(_sharded_param_state(opt, model_sharded_state_dict, is_loading))
-    cfg = chain.config
-    return {
-        "format": FORMAT,
-        "step": chain.num_steps,
-        "optimizers": {opt.name: opt.common_state() for opt in chain.muon_optimizers},
-        "muon_config": {
-            k: (str(v) if isinstance(v, torch.dtype) else v)
-            for k, v in vars(cfg).items()
-            if (k.startswith("muon_") or k in ("lr", "min_lr", "weight_decay", "clip_grad", "bf16", "fp16"))
-            and not callable(v)
-        },
-        "param_state": param_state,
+    settings = {
+        k: (str(v) if isinstance(v, torch.dtype) else v)
+        for k, v in vars(chain.config).items()
+        if (k.startswith("muon_") or k in ("lr", "min_lr", "weight_decay", "clip_grad", "bf16", "fp16"))
+        and not callable(v)
     }
+    optimizers = {opt.name: opt.common_state() for opt in chain.muon_optimizers}
+    return dict(common_state(chain.num_steps, optimizers, settings), param_state=param_state)
 
 
 @torch.no_grad()

@@ -213,7 +213,7 @@ def _plain_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
 
 def qkv_parts(model_config) -> List[Tuple[str, int]]:
     """(role, rows) of one query group of a fused QKV weight, in storage order (the one
-    definition of the Q/K/V split; the benchmarks use it too)."""
+    definition of the Q/K/V split; QK-Clip and the benchmarks use it too)."""
     heads = model_config.num_attention_heads
     groups = model_config.num_query_groups or heads
     d = model_config.kv_channels
@@ -222,6 +222,15 @@ def qkv_parts(model_config) -> List[Tuple[str, int]]:
     if getattr(model_config, "attention_output_gate", False):
         parts.append(("q_gate", q))
     return parts + [("k", d), ("v", d)]
+
+
+def mla_parts(model_config, projection: str) -> List[Tuple[str, int]]:
+    """(role, rows) of one head of an MLA up-projection, in storage order: ``"q"``
+    (``linear_q_proj`` / ``linear_q_up_proj``: nope, rope) or ``"kv"``
+    (``linear_kv_up_proj``: k nope, v). QK-Clip reads the same definition."""
+    if projection == "q":
+        return [("q_nope", model_config.qk_head_dim), ("q_rope", model_config.qk_pos_emb_head_dim)]
+    return [("k_nope", model_config.qk_head_dim), ("v", model_config.v_head_dim)]
 
 
 def grouped_rows(
@@ -361,9 +370,9 @@ def _mla_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
         return None
     mc = ctx.model_config
     if ctx.parent_attr in ("linear_q_proj", "linear_q_up_proj"):
-        parts = [("q_nope", mc.qk_head_dim), ("q_rope", mc.qk_pos_emb_head_dim)]
+        parts = mla_parts(mc, "q")
     elif ctx.parent_attr == "linear_kv_up_proj":
-        parts = [("k_nope", mc.qk_head_dim), ("v", mc.v_head_dim)]
+        parts = mla_parts(mc, "kv")
     else:
         return None
     granularity = "group" if ctx.config.muon_mla_granularity == "head" else "part"

@@ -5,7 +5,7 @@ or an explicit ``loss_scale``): a bf16 or fp32 run would step on a NaN gradient 
 it through Newton–Schulz into every Muon matrix. ``MuonDistributedOptimizer`` therefore
 checks always, with the same fused kernel Megatron uses for unscaling
 (``torch._amp_foreach_non_finite_check_and_unscale_``, a unit scale without a scaler) over
-this rank's fp32 main-gradient shards, then all-reduces the flag (MAX) over the optimizer's
+the grads of this rank's fp32 masters, then all-reduces the flag (MAX) over the optimizer's
 grad-statistics group (every tensor-, pipeline- and data-parallel rank of the optimizer
 instance), so all ranks take the same decision. The chained optimizer ORs the flags of its
 dense and expert optimizers before any loss scaler is updated.

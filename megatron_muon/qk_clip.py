@@ -52,24 +52,34 @@ def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def row_factors(layer: ClipLayer, gamma: torch.Tensor, tconfig) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
-    """Per-row scale factors of each weight of ``layer`` for per-head ``gamma``."""
+    """Per-row scale factors of each weight of ``layer`` for per-head ``gamma``; the rows of
+    each part come from the logical-matrix definitions (``matrices.qkv_parts`` /
+    ``mla_parts``)."""
+    from .matrices import mla_parts, qkv_parts
+
     if layer.kind == "gqa":
         hpg = layer.heads // layer.groups
-        d = tconfig.kv_channels
         k_scale = gamma.view(layer.groups, hpg).amin(dim=1) ** (1 - tconfig.qk_clip_alpha)
         q_scale = gamma / k_scale.repeat_interleave(hpg)
         rows = []
         for g in range(layer.groups):
-            rows.append(q_scale[g * hpg : (g + 1) * hpg].repeat_interleave(d))
-            if getattr(tconfig, "attention_output_gate", False):
-                rows.append(_ones(hpg * d, gamma))
-            rows += [k_scale[g].expand(d), _ones(d, gamma)]
+            for role, count in qkv_parts(tconfig):
+                if role == "q":
+                    rows.append(q_scale[g * hpg : (g + 1) * hpg].repeat_interleave(count // hpg))
+                else:
+                    rows.append(k_scale[g].expand(count) if role == "k" else _ones(count, gamma))
         return [(layer.weights[0][1], torch.cat(rows))]
-    nope, rope, v = tconfig.qk_head_dim, tconfig.qk_pos_emb_head_dim, tconfig.v_head_dim
     root = gamma.sqrt()
-    q_rows = torch.cat([torch.cat([root[h].expand(nope), gamma[h].expand(rope)]) for h in range(layer.heads)])
-    kv_rows = torch.cat([torch.cat([root[h].expand(nope), _ones(v, gamma)]) for h in range(layer.heads)])
-    return [(layer.weights[0][1], q_rows), (layer.weights[1][1], kv_rows)]
+    by_role = {"q_nope": root, "q_rope": gamma, "k_nope": root}
+    out = []
+    for (_, weight), projection in zip(layer.weights, ("q", "kv")):
+        rows = [
+            by_role[role][h].expand(count) if role in by_role else _ones(count, gamma)
+            for h in range(layer.heads)
+            for role, count in mla_parts(tconfig, projection)
+        ]
+        out.append((weight, torch.cat(rows)))
+    return out
 
 
 def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: torch.Tensor) -> None:

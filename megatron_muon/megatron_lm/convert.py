@@ -39,7 +39,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, STATE_PREFIX, CheckpointError
+from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, STATE_PREFIX, CheckpointError, common_state
 from megatron_muon.checkpoint import state_key as _state_key
 from megatron_muon.integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
 from megatron_muon.matrices import is_muon_matrix
@@ -299,13 +299,8 @@ def adam_to_muon(
             exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
         )
         converted += 1
-    ckpt.common["optimizer"] = {
-        "format": FORMAT,
-        "step": step,
-        "optimizers": {"dense": {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}},
-        "muon_config": {},
-        "converted_from": "megatron_adam",
-    }
+    dense = {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}
+    ckpt.common["optimizer"] = dict(common_state(step, {"dense": dense}, {}), converted_from="megatron_adam")
     _retarget_args(ckpt, "muon")
     written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite)
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}

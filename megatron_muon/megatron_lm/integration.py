@@ -124,7 +124,10 @@ def _ours(args: argparse.Namespace) -> bool:
 
 def check_supported(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` (naming the flag and the fix) for what megatron_muon cannot run."""
-    on = lambda name, default=False: getattr(args, name, default)  # noqa: E731
+
+    def on(name: str, default: Any = False) -> Any:
+        return getattr(args, name, default)
+
     problems = [
         (
             args.optimizer == "dist_muon",

@@ -32,7 +32,7 @@ def _count_step(layout: str):
 
 
 @pytest.mark.timeout(300)
-def test_owner_layout_sends_muon_pieces_only_inside_the_tp_group():
+def test_owner_aligned_layout_sends_muon_pieces_only_inside_the_tp_group():
     owner, megatron = (run_distributed(_count_step, 4, layout, tp=2, timeout_s=250) for layout in ("owner_aligned", "megatron"))
     for r in owner:
         assert r["owner"]
