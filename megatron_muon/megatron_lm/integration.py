@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import functools
 import inspect
 import types
@@ -62,7 +63,7 @@ def add_muon_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     fields = [f.name for f in muon_args.muon_fields()]
     reused = sorted({a.dest for a in parser._actions} & set(fields))
     muon_args.add_muon_arguments(parser, reuse_existing=True)
-    parser.add_argument_group("megatron_muon").add_argument(
+    megatron_muon_group(parser).add_argument(
         "--muon-impl",
         choices=IMPLS,
         default="megatron_muon",
@@ -80,11 +81,37 @@ def add_muon_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         if action.choices is not None and action.dest in _OUR_CHOICES:
             _MEGATRON_CHOICES[action.dest] = tuple(action.choices)
             action.choices = list(action.choices) + [c for c in _OUR_CHOICES[action.dest] if c not in action.choices]
+    escape_unformattable_help(parser)
     missing = [f for f in set(fields) - set(muon_args.non_cli_fields()) if f not in {a.dest for a in parser._actions}]
     if missing:
         raise RuntimeError(f"megatron_muon: no command-line flag reaches MuonConfig fields {missing} (a flag clash?).")
     parser.set_defaults(**{UNSET: reused})
     return parser
+
+
+def megatron_muon_group(parser: argparse.ArgumentParser):
+    """The parser's ``megatron_muon`` argument group (made on first use): our flags that are
+    not ``MuonConfig`` fields (``--muon-impl``, ``--recipe``) are listed together."""
+    for group in parser._action_groups:
+        if group.title == "megatron_muon":
+            return group
+    return parser.add_argument_group("megatron_muon")
+
+
+def escape_unformattable_help(parser: argparse.ArgumentParser) -> None:
+    """Make every help string survive argparse's ``%``-formatting (``--help``).
+
+    megatron-core 0.19.2's help for ``--moe-paged-stash-buffer-size-factor-cuda`` has a bare
+    ``%``, so Megatron-LM's ``--help`` fails with "unsupported format character". A help
+    string that does not format is escaped (every ``%`` not starting ``%(name)s``
+    doubled); the others are left as they are."""
+    for action in parser._actions:
+        if not isinstance(action.help, str) or "%" not in action.help:
+            continue
+        try:
+            action.help % dict(vars(action), prog=parser.prog)
+        except (ValueError, TypeError, KeyError):
+            action.help = re.sub(r"%(?!\()", "%%", action.help)
 
 
 def _optimizer_fields(source: Any) -> Dict[str, Any]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 from . import corpus, cpu, recipes
-from .integration import use_megatron_muon
+from .integration import megatron_muon_group, use_megatron_muon
 
 DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": corpus.BYTE_VOCAB_SIZE}
 """Megatron-LM's ``args_defaults``: the built-in byte corpus's tokenizer when none is named."""
@@ -34,8 +34,7 @@ NO_TE_DEFAULTS = {
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--recipe`` (expanded before parsing, listed here for ``--help``) and the CPU defaults
     (gloo, the local transformer implementation) where there is no GPU / transformer-engine."""
-    group = parser.add_argument_group("megatron_muon")
-    group.add_argument(
+    megatron_muon_group(parser).add_argument(
         "--recipe",
         default=None,
         metavar="NAME|FILE",

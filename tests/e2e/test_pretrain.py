@@ -218,6 +218,23 @@ def test_console_script_runs_the_tool():
     assert proc.returncode == 2 and last.startswith("pretrain_gpt.py: error: unknown recipe"), proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_lists_every_flag(flag):
+    """``--help`` rc 0 with Megatron-LM's flags and ours (megatron-core 0.19.2's own help
+    text for one flag has a bare "%", which made argparse fail before anything was shown);
+    the console script too."""
+    proc = launch(PRETRAIN + [flag], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for option in ("--moe-paged-stash-buffer-size-factor-cuda", "--muon-impl", "--recipe", "--muon-ns-max-ranks"):
+        assert option in proc.stdout, option
+    code = (
+        "import sys; from megatron_muon.megatron_lm.launch import console_main; "
+        f"sys.argv = ['megatron-muon-pretrain', {flag!r}]; sys.exit(console_main())"
+    )
+    console = launch([sys.executable, "-c", code], timeout=120)
+    assert console.returncode == 0 and "--muon-impl" in console.stdout, console.stderr[-2000:]
+
+
 def test_megatron_lm_example_launch_line(tmp_path):
     """Flags as Megatron-LM's GPT example scripts write them (mcore models, sample-based
     schedule, selective recompute, NullTokenizer, mock data), tiny sizes, with its optimizer

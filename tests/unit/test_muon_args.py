@@ -18,3 +18,20 @@ def test_help_renders_every_generated_flag():
     assert "at 80 %)" in text
     docs = field_docstrings(MuonConfig)
     assert any("%" in docs.get(f.name, "") for f in muon_fields())  # the case stays covered
+
+
+def test_megatron_lm_help_formats_every_flag():
+    # megatron-core 0.19.2's help for --moe-paged-stash-buffer-size-factor-cuda has a bare
+    # "%": Megatron-LM's --help failed with "unsupported format character" before any flag
+    # was shown. Our arguments layer escapes what does not format.
+    from megatron.training.arguments import add_megatron_arguments
+
+    from megatron_muon.megatron_lm.integration import add_muon_arguments
+
+    parser = add_muon_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help % dict(vars(action), prog=parser.prog)  # raises if one does not format
+    text = parser.format_help()
+    assert "--moe-paged-stash-buffer-size-factor-cuda" in text and "--muon-impl" in text
+    assert "megatron_muon:" in text  # our flags are grouped
