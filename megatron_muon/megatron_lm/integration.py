@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import functools
 import inspect
+import re
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
