@@ -144,3 +144,25 @@ def test_plots_and_docs_regeneration(out, measured, tmp_path):
         "<!-- END generated: optimizer_step -->"
     )[0]
     assert "Megatron DistOpt + AdamW" in block and "optimizer_step_time.png" in block
+
+
+@pytest.mark.timeout(300)
+def test_scripts_leave_tracked_files_alone(tmp_path):
+    """docs/recipes.md's scale-model command, run as a user runs it (no --out): its results
+    go to the untracked runs/bench, docs/bench and docs/benchmarks.md stay as they are."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    if not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout")
+    status = ["git", "status", "--porcelain", "--", "docs"]
+    before = subprocess.run(status, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_MUON_BENCH_OUT"}
+    cmd = [sys.executable, "tools/bench/scale_model.py", "--recipe", "moonlight_16b_a3b", "--gpus", "64", "--ep", "8"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "runs/bench/scale_model.json" in proc.stdout, proc.stdout[-500:]
+    assert subprocess.run(status, cwd=REPO, capture_output=True, text=True, check=True).stdout == before

@@ -2,7 +2,8 @@
 
 Every script here runs on the CPU (gloo ranks, small sizes, ``--quick``) and on a GPU box
 (CUDA picked automatically; real sizes without ``--quick``). Each prints its table and
-writes ``<name>.json`` and ``<name>.md`` into ``--out`` (default ``docs/bench``);
+writes ``<name>.json`` and ``<name>.md`` into ``--out`` (default ``runs/bench``, untracked;
+``docs/bench`` holds the results the docs quote);
 ``run_all.py`` runs them all and regenerates ``docs/benchmarks.md``.
 
 Scripts: ``optimizer_step`` (peers side by side on one model), ``newton_schulz`` (kernel

@@ -24,7 +24,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Where results go unless --out says otherwise; $MEGATRON_MUON_BENCH_OUT redirects it (the
 # docs tests run the documented commands without touching the committed results).
-DEFAULT_OUT = Path(os.environ.get("MEGATRON_MUON_BENCH_OUT", REPO_ROOT / "docs" / "bench"))
+DEFAULT_OUT = Path(os.environ.get("MEGATRON_MUON_BENCH_OUT", REPO_ROOT / "runs" / "bench"))
+"""Where results go unless ``--out`` says otherwise: ``runs/`` is not tracked, so a run never
+rewrites the results the docs quote (``docs/bench``; write there with ``--out docs/bench``)."""
+DOCS_OUT = REPO_ROOT / "docs" / "bench"
 
 
 def ensure_repo_on_path() -> None:

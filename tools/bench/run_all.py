@@ -8,8 +8,9 @@ one with TP and DP), plus the peers on a larger model on one GPU (``optimizer_st
 Newton–Schulz at the real shapes with ``torch.compile``, and the overlap trace on two
 GPUs when there are two (on gloo otherwise).
 
-Each script runs in its own process. ``--docs-only`` skips the runs and rebuilds the
-documents from the JSON already in ``--out``.
+Each script runs in its own process. Results go to ``--out`` (default ``runs/bench``, not
+tracked); ``docs/benchmarks.md`` is refreshed only when asked: ``--out docs/bench``, or
+``--docs-only`` (rebuild from the JSON already in ``--out``).
 """
 
 from __future__ import annotations
@@ -132,7 +133,13 @@ def main(argv=None) -> Dict[str, float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="CPU sizes; a few minutes on 2 cores")
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
-    p.add_argument("--docs", type=Path, default=DOCS, help="the markdown whose generated blocks to refresh")
+    p.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="the markdown whose generated blocks to refresh (default: docs/benchmarks.md, only with "
+        "--out docs/bench or --docs-only)",
+    )
     p.add_argument("--docs-only", action="store_true", help="rebuild the documents from existing results")
     args = p.parse_args(argv)
     args.out = args.out.resolve()
@@ -147,6 +154,11 @@ def main(argv=None) -> Dict[str, float]:
             + "\n"
         )
         print(f"\nall benchmarks: {total:.0f} s")
+    if args.docs is None and (args.docs_only or args.out == common.DOCS_OUT.resolve()):
+        args.docs = DOCS
+    if args.docs is None:
+        print(f"results in {args.out}; docs/benchmarks.md left as it is (refresh it with --out docs/bench)")
+        return seconds
     args.docs.write_text(render_docs(args.out, args.docs))
     print(f"updated {args.docs}")
     return seconds

@@ -653,7 +653,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=Path,
         nargs="?",
         const=common.DEFAULT_OUT / "optimizer_step.json",
-        help="optimizer_step.py's JSON to check the bytes against (default: docs/bench/optimizer_step.json)",
+        help="optimizer_step.py's JSON to check the bytes against (default: runs/bench/optimizer_step.json)",
     )
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="scale_model")
