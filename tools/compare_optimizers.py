@@ -76,9 +76,14 @@ def driver_command(
     eval_iters: Optional[int] = None,
     data_cache_path: Optional[str] = None,
     extra: Sequence[str] = (),
+    master_port: Optional[int] = None,
 ) -> List[str]:
-    """The ``pretrain_gpt.py`` command line of one run (``torchrun --standalone`` if nproc > 1)."""
-    cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
+    """The ``pretrain_gpt.py`` command line of one run (under ``torchrun`` if nproc > 1: on
+    ``master_port`` of this machine, else ``--standalone``, which picks a free one)."""
+    rendezvous = (
+        ["--standalone"] if master_port is None else ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
+    )
+    cmd = [TORCHRUN, *rendezvous, "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(DRIVER), "--recipe", recipe, "--optimizer", optimizer, "--log-interval", "1"]
     if lr is not None and not any(t.startswith("--min-lr") for t in extra):
         min_lr = _recipe_min_lr(recipe)
@@ -281,7 +286,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--out", required=True, type=Path, help="folder for the PNG, markdown, JSON and logs")
     for name in ("--train-iters", "--eval-interval", "--eval-iters"):
         p.add_argument(name, type=int, default=None, help="default: the recipe's")
-    p.add_argument("--nproc", type=int, default=1, help="ranks; > 1 runs under torchrun --standalone")
+    p.add_argument("--nproc", type=int, default=1, help="ranks; > 1 runs under torchrun")
+    p.add_argument(
+        "--master-port",
+        type=int,
+        default=None,
+        help="torchrun's rendezvous port with --nproc > 1 (default: --standalone, a free port)",
+    )
     p.add_argument("--adam-lr", type=float, default=None, help="AdamW's --lr (default: the recipe's)")
     p.add_argument("--muon-lr", type=float, default=None, help="Muon's --lr (default: the recipe's)")
     p.add_argument("--data-cache-path", default=None, help="shared by both runs (default: the driver's)")
@@ -317,6 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.eval_iters,
             args.data_cache_path,
             [*extra, *flags],
+            args.master_port,
         )
         commands[name] = shown(cmd)
         print(f"[compare] {commands[name]}", flush=True)

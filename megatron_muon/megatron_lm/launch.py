@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import functools
 import io
+import math
 import os
 import sys
 import traceback
@@ -77,23 +78,77 @@ def expand_recipe(argv: Sequence[str]) -> List[str]:
     else:
         name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
     parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    return recipes.recipe_to_argv(recipes.load_recipe(name), parser) + rest
+    recipe = recipes.load_recipe(name)
+    if _given(rest, "--train-samples") is not None:
+        recipe = sample_based(recipe, _given(rest, "--global-batch-size"))
+    return recipes.recipe_to_argv(recipe, parser) + rest
 
 
-def accept_qk_clip_with_recording_attention() -> None:
-    """Megatron-LM's ``validate_args`` refuses ``--qk-clip`` / ``--log-max-attention-logit``
-    without transformer-engine >= 2.9 (TE's attention records the max logits). Our local
-    layer spec's ``RecordingDotProductAttention`` records them too, so with
-    ``--transformer-impl local`` (and no ``--spec`` of the user's) the flags are hidden
-    from that one check and restored after it; everything else validates as before."""
+ITERATION_SCHEDULE = {
+    "lr-warmup-iters": "lr-warmup-samples",
+    "lr-decay-iters": "lr-decay-samples",
+    "lr-wsd-decay-iters": "lr-wsd-decay-samples",
+}
+"""A recipe's iteration-based schedule keys and their sample-based counterparts."""
+
+
+def _given(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` on a command line, or None."""
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def sample_based(recipe: dict, global_batch_size: Optional[str]) -> dict:
+    """A recipe for a run that counts samples (``--train-samples`` on the command line):
+    its ``train-iters`` dropped, its iteration-based schedule given in samples (iterations x
+    the global batch size). Megatron-LM takes one or the other, never both."""
+    out = {}
+    for raw_key, value in recipe.items():
+        key = str(raw_key).strip().lstrip("-").replace("_", "-")
+        if key == "train-iters":
+            continue
+        if key in ITERATION_SCHEDULE and value:
+            batch = global_batch_size or recipe.get("global-batch-size") or recipe.get("global_batch_size")
+            if batch is None:
+                raise recipes.RecipeError(
+                    f"the recipe sets {key}, which counts iterations; with --train-samples give "
+                    f"--{ITERATION_SCHEDULE[key]} or --global-batch-size"
+                )
+            out[ITERATION_SCHEDULE[key]] = int(value) * int(batch)
+            continue
+        out[raw_key] = value
+    return out
+
+
+def check_values(args: argparse.Namespace) -> None:
+    """Values Megatron-LM reports late or under another flag's name (``--lr -0.01`` and
+    ``--lr nan`` fail its ``min_lr <= lr`` check): one line naming the flag."""
+    for flag in ("lr", "min_lr"):
+        value = getattr(args, flag, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} {value} is invalid: use a finite number >= 0")
+
+
+def install_launch_validation() -> None:
+    """Our checks before Megatron-LM's ``validate_args`` (``tools/pretrain_gpt.py`` only):
+    :func:`check_values`; and ``--qk-clip`` / ``--log-max-attention-logit`` with our recording
+    attention. Megatron-LM refuses those flags without transformer-engine >= 2.9 (TE's
+    attention records the max logits); our local layer spec's ``RecordingDotProductAttention``
+    records them too, so with ``--transformer-impl local`` (and no ``--spec`` of the user's)
+    they are hidden from that one check and restored after it."""
     import megatron.training.arguments as arguments
 
     inner = arguments.validate_args
-    if getattr(inner, "__megatron_muon_qk_clip__", False):
+    if getattr(inner, "__megatron_muon_launch__", False):
         return
 
     @functools.wraps(inner)
     def validate_args(args, *a, **kw):
+        check_values(args)
         ours = args.transformer_impl == "local" and args.spec is None
         saved = (args.qk_clip, args.log_max_attention_logit)
         if ours:
@@ -104,7 +159,7 @@ def accept_qk_clip_with_recording_attention() -> None:
             if ours:
                 args.qk_clip, args.log_max_attention_logit = saved
 
-    validate_args.__megatron_muon_qk_clip__ = True
+    validate_args.__megatron_muon_launch__ = True
     arguments.validate_args = validate_args
 
 
@@ -179,9 +234,9 @@ def _megatron_argv(argv: Sequence[str]):
 
 def install_argument_layers() -> None:
     """Our layers on Megatron-LM's argument handling: ``--optimizer muon`` and the
-    ``--muon-*`` flags (``use_megatron_muon``) and QK-Clip with our recording attention."""
+    ``--muon-*`` flags (``use_megatron_muon``), then :func:`install_launch_validation`."""
     use_megatron_muon()
-    accept_qk_clip_with_recording_attention()
+    install_launch_validation()
 
 
 def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

@@ -131,3 +131,14 @@ def test_variants_are_driver_flags(tmp_path):
         assert cmd[-len(flags) :] == flags
     got = run_distributed(_variant_configs, 1, {n: v[2] for n, v in VARIANTS.items()}, timeout_s=200)[0]
     assert got == {"vr": (0.95, False), "cautious": (None, True)}
+
+
+def test_master_port_reaches_torchrun(tmp_path):
+    """--master-port with --nproc 2 runs torchrun on that port instead of --standalone (other
+    jobs on the machine may hold torchrun's default port)."""
+    from tools.compare_optimizers import driver_command, parse_args
+
+    args, _ = parse_args(["--out", str(tmp_path), "--nproc", "2", "--master-port", "29871"])
+    cmd = driver_command("muon", tmp_path, "tiny_gqa", nproc=args.nproc, master_port=args.master_port)
+    assert "--standalone" not in cmd and cmd[cmd.index("--master-port") + 1] == "29871"
+    assert "--standalone" in driver_command("muon", tmp_path, "tiny_gqa", nproc=2)

@@ -192,6 +192,9 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
         (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
         (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
         (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
+        # Megatron-LM would report these as its min_lr <= lr check
+        (["--recipe", "tiny_gqa", "--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
+        (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
         # a bare assert of Megatron-LM's validation: its source line names the argument
         (
             ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
@@ -205,6 +208,18 @@ def test_bad_input_one_line_exit_2_before_any_model(argv, says):
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("pretrain_gpt.py: error: ") and says in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and BUILT not in proc.stdout
+
+
+def test_train_samples_overrides_the_recipes_iterations(cache):
+    """A recipe pins --train-iters and an iteration-based warmup; --train-samples on the
+    command line counts samples instead (Megatron-LM takes one or the other): 24 samples at
+    the recipe's global batch of 8 are 3 iterations, the warmup is given in samples."""
+    stdout = run(
+        PRETRAIN
+        + ["--recipe", "tiny_gqa", "--train-samples", "24", "--eval-iters", "0", "--data-cache-path", str(cache)]
+    )
+    assert sorted(losses(stdout)) == [1, 2, 3], stdout[-2000:]
+    assert re.search(r"lr_warmup_samples \.+ 16$", stdout, re.M) and re.search(r"train_samples \.+ 24$", stdout, re.M)
 
 
 def test_console_script_runs_the_tool():
