@@ -168,11 +168,63 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
     ends the process with one line and exit code 2 (:func:`_megatron_argv`), nothing built."""
     from megatron.training.arguments import parse_and_validate_args
 
-    with _megatron_argv(argv):
+    with _megatron_argv(argv), _checked_after_parsing(check_runnable_here):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         check_checkpoint_to_load(args)
     return args
+
+
+@contextlib.contextmanager
+def _checked_after_parsing(check):
+    """Inside the block, Megatron-LM's ``parse_args`` runs ``check`` on what it parsed, before
+    Megatron-LM's validation (which fails on some of the same flags without naming the fix)."""
+    import megatron.training.arguments as arguments
+
+    original = arguments.parse_args
+
+    @functools.wraps(original)
+    def parse_args(*a, **kw):
+        args = original(*a, **kw)
+        check(args)
+        return args
+
+    arguments.parse_args = parse_args
+    try:
+        yield
+    finally:
+        arguments.parse_args = original
+
+
+def check_runnable_here(args: argparse.Namespace) -> None:
+    """What this machine cannot run, refused before any model is built (Megatron would fail
+    late, deep in its code, or ignore the flag): transformer-engine's implementation without
+    transformer-engine; on gloo (no GPU) the all-to-all token dispatcher, grouped GEMM and
+    the flash / fused attention backends."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_muon.layer_specs import transformer_engine_available
+
+    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError(
+            "--transformer-impl transformer_engine needs transformer-engine, which is not installed: use "
+            "--transformer-impl local (or install megatron-muon[gpu] on a CUDA machine)"
+        )
+    if cpu.use_cuda():
+        return
+    experts = getattr(args, "num_experts", None)
+    if experts and args.moe_token_dispatcher_type == "alltoall":
+        raise ValueError(
+            "--moe-token-dispatcher-type alltoall does not run on gloo (no GPU): use "
+            "--moe-token-dispatcher-type allgather"
+        )
+    if experts and args.moe_grouped_gemm:
+        raise ValueError("--moe-grouped-gemm needs a GPU (grouped GEMM kernels): drop it on the CPU")
+    if args.attention_backend in (AttnBackend.flash, AttnBackend.fused):
+        raise ValueError(
+            f"--attention-backend {args.attention_backend.name} needs a GPU: use --attention-backend auto "
+            "(the CPU runs the local attention)"
+        )
 
 
 def check_checkpoint_to_load(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ a spawned process: recipes read by Megatron-LM's parser and validation.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+import torch
 
 from tests.helpers import REPO
 
@@ -39,6 +41,8 @@ TWO_RANKS = [
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 BUILT, DONE = "[after model, optimizer, and learning rate scheduler are built]", "[after training is done]"
+NEEDS_NO_TE = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
+NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs these")
 REAL = {  # recipe: (world size that fits its layout, published total / active parameters)
     "llama3_8b": (8, 8.03e9, None),
     "qwen3_30b_a3b": (8, 30.5e9, 3.3e9),
@@ -195,6 +199,25 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
         # Megatron-LM would report these as its min_lr <= lr check
         (["--recipe", "tiny_gqa", "--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
         (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
+        # what the CPU path cannot run (Megatron would fail late or ignore the flag)
+        pytest.param(
+            ["--recipe", "tiny_gqa", "--transformer-impl", "transformer_engine"],
+            "use --transformer-impl local",
+            marks=NEEDS_NO_TE,
+        ),
+        pytest.param(
+            ["--recipe", "tiny_moe", "--moe-token-dispatcher-type", "alltoall"],
+            "use --moe-token-dispatcher-type allgather",
+            marks=NEEDS_NO_GPU,
+        ),
+        pytest.param(
+            ["--recipe", "tiny_moe", "--moe-grouped-gemm"], "--moe-grouped-gemm needs a GPU", marks=NEEDS_NO_GPU
+        ),
+        pytest.param(
+            ["--recipe", "tiny_gqa", "--attention-backend", "flash"],
+            "--attention-backend flash needs a GPU",
+            marks=NEEDS_NO_GPU,
+        ),
         # a bare assert of Megatron-LM's validation: its source line names the argument
         (
             ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
