@@ -188,10 +188,10 @@ class QKClip:
         return maxima
 
     @torch.no_grad()
-    def apply(self, shard_map) -> None:
-        """Gather the maxima and clip (if ``qk_clip``) on the fp32 masters of ``shard_map``
-        (a :class:`~megatron_muon.shard_map.ShardMap`). The chained optimizer resets the
-        recorders after every step, taken or skipped."""
+    def measure(self) -> Optional[torch.Tensor]:
+        """This step's per-head maxima (:meth:`gather_max_logits`, kept in
+        ``last_max_logits``) and the largest over the whole model (``max_attention_logit``,
+        MAX over the model-parallel group)."""
         maxima = self.gather_max_logits()
         self.last_max_logits = maxima
         local = float(maxima.max()) if maxima is not None else -math.inf
@@ -200,6 +200,14 @@ class QKClip:
         if self.mp_group is not None and self.mp_group.size() > 1:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.mp_group)
         self.max_attention_logit = float(peak[0])
+        return maxima
+
+    @torch.no_grad()
+    def apply(self, shard_map) -> None:
+        """:meth:`measure`, then clip (if ``qk_clip``) on the fp32 masters of ``shard_map``
+        (a :class:`~megatron_muon.shard_map.ShardMap`). The chained optimizer resets the
+        recorders after every step, taken or skipped."""
+        maxima = self.measure()
         if self.clip and maxima is not None:
             offset = 0
             for layer in self.layers:

@@ -271,15 +271,33 @@ def _global_args(module: Any) -> Optional[argparse.Namespace]:
 
 
 def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> Callable:
-    """Report our step's max logit instead of clipping again, once our optimizer is built."""
+    """With our optimizer: report our step's max logit instead of clipping again. With any
+    other and ``--log-max-attention-logit`` only: measure it with our ``QKClip`` (Megatron's
+    ``clip_qk`` assumes a ``Float16Module`` and fails on an fp32 model); clipping with another
+    optimizer is refused at start-up (``launch.check_values``)."""
 
     @functools.wraps(original)
     def clip_qk(model, log_max_only=False):
         optimizer = installed.optimizer
-        if optimizer is None or getattr(optimizer, "qk_clip", None) is None:
+        if optimizer is not None and getattr(optimizer, "qk_clip", None) is not None:
+            # Already done inside our step, on the fp32 master shards: report, do not clip twice.
+            return optimizer.max_attention_logit
+        if not log_max_only:
             return original(model, log_max_only=log_max_only)
-        # Already done inside our step, on the fp32 master shards: report, do not clip twice.
-        return optimizer.max_attention_logit
+        from megatron.core import parallel_state
+
+        from megatron_muon.qk_clip import QKClip
+
+        recorders = QKClip.from_model(
+            model,
+            parallel_state.get_data_parallel_group(with_context_parallel=True),
+            parallel_state.get_model_parallel_group(),
+        )
+        if recorders is None:
+            return 0.0
+        recorders.measure()
+        recorders.reset()
+        return recorders.max_attention_logit
 
     return clip_qk
 

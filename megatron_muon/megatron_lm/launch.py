@@ -78,10 +78,29 @@ def expand_recipe(argv: Sequence[str]) -> List[str]:
     else:
         name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
     parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    recipe = recipes.load_recipe(name)
+    recipe = without_muon_only_settings(recipes.load_recipe(name), rest)
     if _given(rest, "--train-samples") is not None:
         recipe = sample_based(recipe, _given(rest, "--global-batch-size"))
     return recipes.recipe_to_argv(recipe, parser) + rest
+
+
+def without_muon_only_settings(recipe: dict, rest: Sequence[str]) -> dict:
+    """The recipe without its QK-Clip when the command line trains it with another optimizer
+    (``--optimizer adam``, or Megatron-core's Muon): a recipe's QK-Clip is for megatron_muon,
+    which clips the fp32 masters; Megatron-core's clips the model weights, which its
+    distributed optimizer's masters overwrite at the next step. Says so in one line."""
+    keys = {str(k).strip().lstrip("-").replace("_", "-"): k for k in recipe}
+    optimizer = _given(rest, "--optimizer") or recipe.get(keys.get("optimizer"), "adam")
+    impl = _given(rest, "--muon-impl") or "megatron_muon"
+    if not recipe.get(keys.get("qk-clip")) or (optimizer in ("muon", "dist_muon") and impl == "megatron_muon"):
+        return recipe
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"megatron_muon: the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer {optimizer}"
+            + (f" --muon-impl {impl}" if optimizer == "muon" else ""),
+            flush=True,
+        )
+    return {k: v for k, v in recipe.items() if k != keys["qk-clip"]}
 
 
 ITERATION_SCHEDULE = {
@@ -125,12 +144,20 @@ def sample_based(recipe: dict, global_batch_size: Optional[str]) -> dict:
 
 
 def check_values(args: argparse.Namespace) -> None:
-    """Values Megatron-LM reports late or under another flag's name (``--lr -0.01`` and
-    ``--lr nan`` fail its ``min_lr <= lr`` check): one line naming the flag."""
+    """Values Megatron-LM reports late, under another flag's name (``--lr -0.01`` and
+    ``--lr nan`` fail its ``min_lr <= lr`` check) or not at all: one line naming the flag."""
+    from .integration import _ours
+
     for flag in ("lr", "min_lr"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"--{flag.replace('_', '-')} {value} is invalid: use a finite number >= 0")
+    if getattr(args, "qk_clip", False) and getattr(args, "use_distributed_optimizer", False) and not _ours(args):
+        raise ValueError(
+            f"--qk-clip with --optimizer {args.optimizer}: Megatron-core's QK-Clip scales the model weights, which "
+            "the distributed optimizer's fp32 masters overwrite at the next step; use --optimizer muon "
+            "(megatron_muon clips the masters) or drop --qk-clip"
+        )
 
 
 def install_launch_validation() -> None:
@@ -151,13 +178,21 @@ def install_launch_validation() -> None:
         check_values(args)
         ours = args.transformer_impl == "local" and args.spec is None
         saved = (args.qk_clip, args.log_max_attention_logit)
+        print_args = arguments._print_args
+
+        def restored_then_printed(*pa, **pkw):  # the argument listing shows what runs
+            args.qk_clip, args.log_max_attention_logit = saved
+            print_args(*pa, **pkw)
+
         if ours:
             args.qk_clip = args.log_max_attention_logit = False
+            arguments._print_args = restored_then_printed
         try:
             return inner(args, *a, **kw)
         finally:
             if ours:
                 args.qk_clip, args.log_max_attention_logit = saved
+                arguments._print_args = print_args
 
     validate_args.__megatron_muon_launch__ = True
     arguments.validate_args = validate_args

@@ -108,6 +108,33 @@ def test_readme_first_command():
     assert BUILT in stdout and DONE in stdout
     first, valid = losses(stdout)[1], validation(stdout)
     assert len(valid) >= 2 and valid[max(valid)] < 0.6 * first, (first, valid)
+    # The argument listing shows what runs: the recipe's QK-Clip is on.
+    assert re.search(r"^  qk_clip \.+ True$", stdout, re.M), "the argument listing hides QK-Clip"
+
+
+def test_adamw_with_a_qk_clip_recipe(cache):
+    """The AdamW peer on a recipe that turns QK-Clip on: the recipe's QK-Clip is Muon's, so it
+    is switched off with one line; the max logit is still measured (Megatron-LM's own
+    clip_qk fails on an fp32 model) and training runs."""
+    stdout = run(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_moe_mla",
+            "--optimizer",
+            "adam",
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "0",
+            "--eval-iters",
+            "0",
+            "--data-cache-path",
+            str(cache),
+        ]
+    )
+    assert "the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer adam" in stdout
+    assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,6 +226,8 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
         # Megatron-LM would report these as its min_lr <= lr check
         (["--recipe", "tiny_gqa", "--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
         (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
+        # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
+        (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
         # what the CPU path cannot run (Megatron would fail late or ignore the flag)
         pytest.param(
             ["--recipe", "tiny_gqa", "--transformer-impl", "transformer_engine"],
