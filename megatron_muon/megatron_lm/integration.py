@@ -193,8 +193,17 @@ def check_supported(args: argparse.Namespace) -> None:
 
 
 def _check_megatron_choices(args: argparse.Namespace) -> None:
+    """``--optimizer muon --muon-impl megatron`` (Megatron-core's Muon): our flags' values it
+    lacks, and the precisions it cannot run, refused in one line."""
     if getattr(args, "optimizer", None) not in ("muon", "dist_muon"):
         return
+    if not getattr(args, "bf16", False):
+        # megatron-core 0.19.2 wraps its Muon in a mixed-precision optimizer only for bf16:
+        # in fp32 the step fails (no get_loss_scale), and fp16 it refuses itself.
+        raise ValueError(
+            "megatron_muon: --muon-impl megatron (Megatron-core's Muon) runs only with --bf16 in megatron-core "
+            "0.19.2: add --bf16, or use --muon-impl megatron_muon (any precision)"
+        )
     for dest, allowed in _MEGATRON_CHOICES.items():
         value = getattr(args, dest, None)
         if value is not None and value not in allowed and dest not in getattr(args, UNSET, ()):

@@ -112,6 +112,29 @@ def test_readme_first_command():
     assert re.search(r"^  qk_clip \.+ True$", stdout, re.M), "the argument listing hides QK-Clip"
 
 
+def test_megatron_core_muon_side_by_side_in_bf16(cache):
+    """--muon-impl megatron, the side-by-side peer the docs offer, trains in bf16."""
+    stdout = run(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_gqa",
+            "--muon-impl",
+            "megatron",
+            "--bf16",
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "0",
+            "--eval-iters",
+            "0",
+            "--data-cache-path",
+            str(cache),
+        ]
+    )
+    assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
+
+
 def test_adamw_with_a_qk_clip_recipe(cache):
     """The AdamW peer on a recipe that turns QK-Clip on: the recipe's QK-Clip is Muon's, so it
     is switched off with one line; the max logit is still measured (Megatron-LM's own
@@ -226,6 +249,8 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
         # Megatron-LM would report these as its min_lr <= lr check
         (["--recipe", "tiny_gqa", "--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
         (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
+        # Megatron-core's Muon fails in fp32 in its step (megatron-core 0.19.2)
+        (["--recipe", "tiny_gqa", "--muon-impl", "megatron"], "runs only with --bf16"),
         # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
         (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
         # what the CPU path cannot run (Megatron would fail late or ignore the flag)
