@@ -123,18 +123,28 @@ class CudaToCpuMode(TorchFunctionMode):
 
 
 def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors: dict) -> None:
-    """Megatron 0.19.2's reshardable optimizer loaders drop torch AdamW's per-param
-    ``step`` from the loaded tensors, then copy every state tensor, ``step`` included, and
-    fail with ``KeyError: 'step'``. Without transformer-engine or Apex (so on every CPU
-    run) Megatron's own optimizer could not load its checkpoints; keep the ``step`` its
-    ``load_state_dict`` already restored from the param groups."""
-    if "step" not in tensors:
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        step = self.optimizer.state.get(main_param, {}).get("step")
-        if isinstance(step, torch.Tensor):
-            tensors = {**tensors, "step": step.clone()}
-    _INSTALLED_ORIGINALS["_set_main_param_and_optimizer_states"](self, model_param, tensors)
+    """Megatron 0.19.2's distributed-optimizer load without transformer-engine or Apex (so on
+    every CPU run, torch's AdamW), three defects:
+
+    * its ``load_state_dict`` puts the checkpoint's step into every parameter's state as the
+      *same* tensor, which torch's AdamW then increments once per parameter per step: the
+      bias correction of the resumed run is wrong. Each parameter gets its own copy here;
+    * the loaders pass a wrong ``step`` or none: the fully reshardable one drops it, then
+      copies every state tensor, ``step`` included, and fails with ``KeyError: 'step'``; the
+      dp-reshardable one (Megatron-LM's default) passes the placeholder step of the state it
+      loads into (1), not the checkpoint's. The step ``load_state_dict`` restored from the
+      checkpoint's parameter groups is kept;
+    * an fp32 param's master is a view of the param itself, a leaf that requires grad, and
+      the in-place copy into it runs outside ``no_grad`` ("a view of a leaf Variable ...")."""
+    group_index, group_order = self.model_param_group_index_map[model_param]
+    main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+    state = self.optimizer.state.get(main_param, {})
+    step = state.get("step")
+    if isinstance(step, torch.Tensor):
+        state["step"] = step.detach().clone()
+        tensors = {**tensors, "step": state["step"].clone()}
+    with torch.no_grad():
+        _INSTALLED_ORIGINALS["_set_main_param_and_optimizer_states"](self, model_param, tensors)
 
 
 def _sharded_state_dict_loadable(self: Any, *args: Any, **kwargs: Any) -> Any:
