@@ -17,6 +17,8 @@ setup(
         # Megatron dist_checkpointing's async filesystem writer imports psutil.
         "psutil",
         "pyyaml",
+        # Megatron-LM's --tensorboard-dir writer (with Muon's scalars: megatron_lm.integration).
+        "tensorboard",
     ],
     entry_points={
         "console_scripts": [

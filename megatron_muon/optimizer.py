@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch
@@ -287,6 +288,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
         per_param = [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
         self.muon.shard_states.begin()
+        self.muon.update_square_sum, self.muon.update_numel = None, 0
         kept: dict = {}
         return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
 
@@ -389,6 +391,8 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """Successful optimizer steps taken (saved in checkpoints)."""
         self.skips = SkipCounter(self.config.muon_max_consecutive_skipped_steps)
         """Steps skipped for non-finite gradients (``skips.skipped_steps``, ``skips.consecutive``)."""
+        self.step_seconds = 0.0
+        """Wall time of the last ``step()`` on this rank."""
 
     @property
     def muon_optimizers(self) -> List[MuonDistributedOptimizer]:
@@ -435,12 +439,14 @@ class MuonChainedOptimizer(ChainedOptimizer):
         Then the skip bookkeeping: the ``muon_max_consecutive_skipped_steps``-th
         non-finite step in a row raises :class:`~megatron_muon.non_finite.NonFiniteGradientError`
         on every rank."""
+        start = time.perf_counter()
         try:
             result = super().step()
         finally:
             # A skipped step (inf/nan) starts the next one with fresh max-logit recorders too.
             if self.qk_clip is not None:
                 self.qk_clip.reset()
+        self.step_seconds = time.perf_counter() - start
         if result[0]:
             self.num_steps += 1
         skipped = not result[0] and result[1] is None  # (False, norm, ..) is Megatron's grad-norm skip
@@ -492,3 +498,44 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     def plan_statistics(self) -> List[Dict[str, object]]:
         return [o.plan_statistics() for o in self.muon_optimizers]
+
+    @torch.no_grad()
+    def log_statistics(self) -> Dict[str, float]:
+        """The numbers a Muon run watches, for the last step; collective over every rank.
+
+        ``update-rms``: RMS of all Muon updates (orthogonalized and scaled, before the
+        learning rate; each matrix counted once, by its owner). ``skipped-steps``: steps
+        skipped for non-finite gradients so far. ``optimizer-step-ms``: this rank's
+        ``step()``. With QK-Clip or ``log_max_attention_logit``: ``max-attention-logit``
+        and ``mean-attention-logit`` (the mean over layers of each layer's largest logit) and
+        ``qk-clip-heads-clipped``."""
+        dense = self.dense
+        device = dense.muon.device or torch.device("cpu")
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for opt in self.muon_optimizers:
+            if opt.muon.update_square_sum is not None:
+                sums[0] += opt.muon.update_square_sum.double().to(device)
+            sums[1] += opt.muon.update_numel
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        out = {
+            "update-rms": float((sums[0] / sums[1].clamp_min(1)).sqrt()),
+            "skipped-steps": float(self.skips.skipped_steps),
+            "optimizer-step-ms": self.step_seconds * 1e3,
+        }
+        clip = self.qk_clip
+        if clip is not None:
+            local = (clip.layer_maxima(), clip.heads_clipped)
+            gathered = [local]
+            if clip.mp_group is not None and clip.mp_group.size() > 1:
+                gathered = [None] * clip.mp_group.size()
+                dist.all_gather_object(gathered, local, group=clip.mp_group)
+            layers: Dict[int, float] = {}
+            for maxima, _ in gathered:
+                for number, value in maxima.items():
+                    layers[number] = max(value, layers.get(number, value))
+            if layers:
+                out["max-attention-logit"] = max(layers.values())
+                out["mean-attention-logit"] = sum(layers.values()) / len(layers)
+            out["qk-clip-heads-clipped"] = float(sum(heads for _, heads in gathered))
+        return out

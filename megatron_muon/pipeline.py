@@ -67,6 +67,10 @@ class MuonStep:
     device: Optional[torch.device]
     subgroups: Dict[Tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     """The process groups of the multi-rank jobs this rank takes part in."""
+    update_square_sum: Optional[torch.Tensor] = None
+    update_numel: int = 0
+    """Sum of squares and count of the elements of the updates this rank computed in the
+    last step (the owners' matrices, scaled): the update RMS a run logs."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,7 +229,11 @@ def finish_update(step: MuonStep, members: Sequence[Tuple[Job, int]], ortho: tor
     if step.variance_reduction is not None:
         ortho = variance_reduce(step.owner_states, members, ortho, step.variance_reduction)
     scales = torch.tensor([step.scales[job.index] for job, _ in members], dtype=ortho.dtype, device=ortho.device)
-    return ortho * scales.view(-1, 1, 1)
+    update = ortho * scales.view(-1, 1, 1)
+    square_sum = update.float().square().sum()
+    step.update_square_sum = square_sum if step.update_square_sum is None else step.update_square_sum + square_sum
+    step.update_numel += update.numel()
+    return update
 
 
 def variance_reduce(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -114,6 +114,8 @@ class QKClip:
         """Per head (this rank's layers, concatenated) max logits of the last step."""
         self.max_attention_logit: float = 0.0
         """Largest logit of the last step over the whole model (for logging)."""
+        self.heads_clipped = 0
+        """Heads of this rank's layers whose weights the last step's clip scaled."""
 
     @classmethod
     def from_model(cls, model_chunks: Sequence[torch.nn.Module], dp_cp_group, mp_group) -> Optional["QKClip"]:
@@ -208,18 +210,34 @@ class QKClip:
         (a :class:`~megatron_muon.shard_map.ShardMap`). The chained optimizer resets the
         recorders after every step, taken or skipped."""
         maxima = self.measure()
+        self.heads_clipped = 0
         if self.clip and maxima is not None:
             offset = 0
             for layer in self.layers:
                 s = maxima[offset : offset + layer.heads]
                 offset += layer.heads
                 gamma = torch.clamp(self.tconfig.qk_clip_threshold / s, max=1.0)
-                if bool((gamma >= 1.0).all()):
+                clipped = int((gamma < 1.0).sum())
+                if not clipped:
                     continue
+                self.heads_clipped += clipped
                 for param, factors in row_factors(layer, gamma, self.tconfig):
                     shard = shard_map[param]
                     if shard.master is not None:
                         scale_rows_(shard.master, shard.start, shard.end, param.shape[1], factors)
+
+    def layer_maxima(self) -> Dict[int, float]:
+        """The last step's largest logit of each of this rank's layers (its heads on this TP
+        rank), keyed by the layer's global number."""
+        out: Dict[int, float] = {}
+        if self.last_max_logits is None:
+            return out
+        offset = 0
+        for layer in self.layers:
+            number = int(getattr(layer.attention, "layer_number", len(out) + 1))
+            out[number] = float(self.last_max_logits[offset : offset + layer.heads].max())
+            offset += layer.heads
+        return out
 
     def _device(self) -> torch.device:
         for layer in self.layers:

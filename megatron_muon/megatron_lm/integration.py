@@ -311,6 +311,32 @@ def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> 
     return clip_qk
 
 
+def _wrap_training_log(original: Callable, module: Any, installed: _Installation) -> Callable:
+    """Megatron-LM's log, then Muon's numbers (``MuonChainedOptimizer.log_statistics``) as
+    TensorBoard scalars ``muon/...`` at every ``--tensorboard-log-interval`` (with
+    ``--tensorboard-dir``). The statistics are collective: every rank computes them, the rank
+    holding Megatron-LM's writer writes."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def training_log(*a, **kw):
+        result = original(*a, **kw)
+        args, optimizer = _global_args(module), installed.optimizer
+        if args is None or optimizer is None or not getattr(args, "tensorboard_dir", None):
+            return result
+        iteration = signature.bind(*a, **kw).arguments["iteration"]
+        if iteration % max(1, args.tensorboard_log_interval):
+            return result
+        stats = optimizer.log_statistics()
+        writer = module.get_tensorboard_writer()
+        if writer:
+            for name, value in stats.items():
+                writer.add_scalar(f"muon/{name}", value, iteration)
+        return result
+
+    return training_log
+
+
 def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Ours for ``--optimizer muon --muon-impl megatron_muon``, Megatron's otherwise."""
     signature = inspect.signature(original)
@@ -431,6 +457,7 @@ def use_megatron_muon(
             functools.partial(_wrap_get_megatron_optimizer, installed=installed),
         ),
         (training_module, "clip_qk", functools.partial(_wrap_clip_qk, installed=installed)),
+        (training_module, "training_log", functools.partial(_wrap_training_log, installed=installed)),
         (
             training_module,
             "wrap_model_chunks_with_ddp",

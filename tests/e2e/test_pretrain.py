@@ -112,6 +112,53 @@ def test_readme_first_command():
     assert re.search(r"^  qk_clip \.+ True$", stdout, re.M), "the argument listing hides QK-Clip"
 
 
+def test_tensorboard_holds_megatron_lm_and_muon_scalars(cache, tmp_path):
+    """--tensorboard-dir: Megatron-LM's scalars and Muon's (update RMS, max and mean attention
+    logit, heads clipped, skipped steps, step time) at every log interval; with a low
+    threshold QK-Clip clips heads every step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_moe_mla",
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "0",
+            "--eval-iters",
+            "0",
+            "--qk-clip-threshold",
+            "0.01",
+            "--tensorboard-dir",
+            str(tmp_path / "tb"),
+            "--data-cache-path",
+            str(cache),
+        ]
+    )
+    (events,) = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    scalars = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    for tag in (
+        "lm loss",
+        "grad-norm",
+        "max_attention_logit",
+        "muon/update-rms",
+        "muon/max-attention-logit",
+        "muon/mean-attention-logit",
+        "muon/qk-clip-heads-clipped",
+        "muon/skipped-steps",
+        "muon/optimizer-step-ms",
+    ):
+        assert len(scalars.get(tag, [])) == 3, (tag, sorted(scalars))
+    assert all(0.01 < v < 1.0 for v in scalars["muon/update-rms"])
+    assert all(v > 0 for v in scalars["muon/qk-clip-heads-clipped"])
+    assert scalars["muon/max-attention-logit"] == pytest.approx(scalars["max_attention_logit"])
+    assert all(m >= a > 0 for m, a in zip(scalars["muon/max-attention-logit"], scalars["muon/mean-attention-logit"]))
+
+
 def test_megatron_core_muon_side_by_side_in_bf16(cache):
     """--muon-impl megatron, the side-by-side peer the docs offer, trains in bf16."""
     stdout = run(
