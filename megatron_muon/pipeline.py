@@ -97,7 +97,7 @@ def chunk_update(
 
     # 2. Gather: every piece to the owner of its matrix.
     send = pack(
-        [current.get(piece) if piece in current else kept[piece] for piece in msg.gather_send],
+        [current[piece] if piece in current else kept[piece] for piece in msg.gather_send],
         step.comm_dtype,
         step.device,
     )

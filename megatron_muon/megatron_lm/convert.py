@@ -289,6 +289,13 @@ def adam_to_muon(
         )
     groups = opt_common.get("optimizer", {}).get("param_groups", [])
     step = int(max((g.get("step", 0) for g in groups), default=0))
+    iteration = checkpoint_iteration(ckpt)
+    if iteration and step > iteration:
+        # At most one optimizer step per iteration. torch's AdamW under Megatron-core 0.19.2
+        # (no TE / Apex) counted a step once per parameter after a resume (fixed in our CPU
+        # patches); such a checkpoint's step is not the number of updates.
+        print(f"warning: the checkpoint's AdamW step {step} exceeds its iteration {iteration}; using {iteration}")
+        step = iteration
     converted = 0
     for key in model_keys(ckpt):
         if not is_muon_key(key, exclude, router):
