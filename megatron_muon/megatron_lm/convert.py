@@ -285,7 +285,10 @@ def adam_to_muon(
         raise CheckpointError(
             f"{src}: expected a Megatron distributed-optimizer checkpoint saved with "
             "metadata={'distrib_optim_sharding_type': 'fully_reshardable'} (Megatron-LM: "
-            f"--dist-ckpt-optim-fully-reshardable); found {opt_common.get('param_state_sharding_type')!r}."
+            f"--dist-ckpt-optim-fully-reshardable); found {opt_common.get('param_state_sharding_type')!r}. "
+            "Re-save it so with Megatron-LM: its flags plus --optimizer adam --load SRC --save NEW "
+            "--dist-ckpt-optim-fully-reshardable --train-iters <its iteration> --save-interval <iteration + 1> "
+            "--use-checkpoint-opt_param-scheduler (docs/checkpoints.md, 'Switching a running AdamW job to Muon')."
         )
     groups = opt_common.get("optimizer", {}).get("param_groups", [])
     step = int(max((g.get("step", 0) for g in groups), default=0))

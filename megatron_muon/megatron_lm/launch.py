@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -207,6 +208,7 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         check_checkpoint_to_load(args)
+        check_optimizer_to_load(args, argv)
     return args
 
 
@@ -278,6 +280,82 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
         f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
         f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
         "--exit-on-missing-checkpoint is set: check the path"
+    )
+
+
+def _without(argv: Sequence[str], flags: Sequence[str]) -> List[str]:
+    """``argv`` without the value flags ``flags`` (``--flag value`` or ``--flag=value``)."""
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        elif not token.startswith(tuple(f + "=" for f in flags)):
+            out.append(token)
+    return out
+
+
+def check_optimizer_to_load(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """``--optimizer muon --load`` of an AdamW run (Megatron's distributed optimizer) stops
+    here, before any model is built, with the commands that switch it to Muon: the converter
+    (``adam-to-muon``; momentum from zeros, or ``--momentum exp_avg``), preceded for
+    Megatron-LM's default optimizer format by a re-save in the fully reshardable one, which
+    the converter reads (the default stores DDP buckets, not parameters). ``--no-load-optim``
+    (weights only) loads as it is."""
+    from megatron.training.checkpointing import get_checkpoint_tracker_filename
+
+    from megatron_muon.checkpoint import FORMAT, CheckpointError, read_common
+
+    from .convert import iteration_dir_name
+    from .integration import _ours
+
+    if not (args.load and _ours(args)) or args.no_load_optim:
+        return
+    tracker = get_checkpoint_tracker_filename(args.load)
+    if args.ckpt_step is not None:
+        iteration = args.ckpt_step
+    elif os.path.isfile(tracker):
+        text = open(tracker).read().strip()
+        if not text.isdigit():
+            return  # Megatron-LM's own handling (and issue-27 checks) apply
+        iteration = int(text)
+    else:
+        return
+    try:
+        with warnings.catch_warnings():  # torch's notice that no process group exists yet
+            warnings.simplefilter("ignore")
+            common = read_common(os.path.join(args.load, iteration_dir_name(iteration)))
+    except CheckpointError:
+        return  # Megatron-LM reports what is wrong with it
+    optimizer = common.get("optimizer")
+    if (
+        not isinstance(optimizer, dict)
+        or optimizer.get("format") == FORMAT
+        or "param_state_sharding_type" not in optimizer
+    ):
+        return
+    src = args.load.rstrip("/")
+    muon = f"{src}_muon"
+    convert = f"python tools/convert_checkpoint.py adam-to-muon {{source}} {muon}"
+    if optimizer["param_state_sharding_type"] == "fully_reshardable":
+        steps = convert.format(source=src)
+    else:
+        flags = " ".join(
+            _without(
+                argv,
+                ("--optimizer", "--save", "--save-interval", "--train-iters", "--train-samples", "--exit-interval"),
+            )
+        )
+        resave = f"{src}_reshardable"
+        steps = (
+            f"python tools/pretrain_gpt.py {flags} --optimizer adam --save {resave} --dist-ckpt-optim-fully-reshardable "
+            f"--train-iters {iteration} --save-interval {iteration + 1} --use-checkpoint-opt_param-scheduler && "
+            + convert.format(source=resave)
+        )
+    raise ValueError(
+        f"--load {args.load} holds AdamW state (Megatron's distributed optimizer, iteration {iteration}), not Muon's: "
+        f"switch it with `{steps}`, then --load {muon}"
     )
 
 

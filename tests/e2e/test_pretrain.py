@@ -277,6 +277,62 @@ def test_adamw_baseline_resumes_exactly(cache, tmp_path, precision):
     assert validation(resumed)[6] == validation(full)[6]
 
 
+def test_muon_load_of_an_adamw_run_says_how_to_switch(cache, tmp_path):
+    """--optimizer muon --load of an AdamW run (Megatron-LM's default optimizer format) stops
+    before any model is built, in one line, with the commands that switch it (the whole
+    walk-through runs in docs/checkpoints.md); --no-load-optim loads the weights alone."""
+    save = tmp_path / "adamw"
+    run(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_gqa",
+            "--optimizer",
+            "adam",
+            "--train-iters",
+            "2",
+            "--lr-warmup-iters",
+            "0",
+            "--eval-iters",
+            "0",
+            "--save",
+            str(save),
+            "--save-interval",
+            "2",
+            "--data-cache-path",
+            str(cache),
+        ]
+    )
+    proc = launch(
+        PRETRAIN + ["--recipe", "tiny_gqa", "--load", str(save), "--train-iters", "4", "--data-cache-path", str(cache)],
+        timeout=120,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    for says in ("holds AdamW state", "--dist-ckpt-optim-fully-reshardable", "convert_checkpoint.py adam-to-muon"):
+        assert says in lines[0], lines[0]
+    assert BUILT not in proc.stdout
+    weights = run(
+        PRETRAIN
+        + [
+            "--recipe",
+            "tiny_gqa",
+            "--load",
+            str(save),
+            "--no-load-optim",
+            "--train-iters",
+            "3",
+            "--lr-warmup-iters",
+            "0",
+            "--eval-iters",
+            "0",
+            "--data-cache-path",
+            str(cache),
+        ]
+    )
+    assert sorted(losses(weights)) == [3]
+
+
 def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_path):
     save = tmp_path / "save"
     proc = launch(
