@@ -428,18 +428,17 @@ def test_console_script_runs_the_tool():
     assert proc.returncode == 2 and last.startswith("pretrain_gpt.py: error: unknown recipe"), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("flag", ["--help", "-h"])
-def test_help_lists_every_flag(flag):
+def test_help_lists_every_flag():
     """``--help`` rc 0 with Megatron-LM's flags and ours (megatron-core 0.19.2's own help
     text for one flag has a bare "%", which made argparse fail before anything was shown);
-    the console script too."""
-    proc = launch(PRETRAIN + [flag], timeout=120)
+    ``-h`` through the console script too."""
+    proc = launch(PRETRAIN + ["--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for option in ("--moe-paged-stash-buffer-size-factor-cuda", "--muon-impl", "--recipe", "--muon-ns-max-ranks"):
         assert option in proc.stdout, option
     code = (
         "import sys; from megatron_muon.megatron_lm.launch import console_main; "
-        f"sys.argv = ['megatron-muon-pretrain', {flag!r}]; sys.exit(console_main())"
+        "sys.argv = ['megatron-muon-pretrain', '-h']; sys.exit(console_main())"
     )
     console = launch([sys.executable, "-c", code], timeout=120)
     assert console.returncode == 0 and "--muon-impl" in console.stdout, console.stderr[-2000:]
