@@ -97,6 +97,12 @@ def tensors_finite(path: Path) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
+def short_run(recipe: str, cache: Path, *flags: str, iterations: int = 3) -> List[str]:
+    """The driver on ``recipe`` for a few iterations: no warm-up, no evaluation."""
+    return PRETRAIN + f"--recipe {recipe} --train-iters {iterations} --lr-warmup-iters 0 --eval-iters 0".split() + [
+        "--data-cache-path", str(cache), *flags]  # fmt: skip
+
+
 def test_readme_first_command():
     """README's first command, after its install step, as written (this venv's bin for .venv/bin):
     Megatron-LM's own loop (its markers) and the validation loss well below the first loss."""
@@ -118,25 +124,7 @@ def test_tensorboard_holds_megatron_lm_and_muon_scalars(cache, tmp_path):
     threshold QK-Clip clips heads every step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run(
-        PRETRAIN
-        + [
-            "--recipe",
-            "tiny_moe_mla",
-            "--train-iters",
-            "3",
-            "--lr-warmup-iters",
-            "0",
-            "--eval-iters",
-            "0",
-            "--qk-clip-threshold",
-            "0.01",
-            "--tensorboard-dir",
-            str(tmp_path / "tb"),
-            "--data-cache-path",
-            str(cache),
-        ]
-    )
+    run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tmp_path / "tb")))
     (events,) = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     acc = EventAccumulator(str(events))
     acc.Reload()
@@ -161,24 +149,7 @@ def test_tensorboard_holds_megatron_lm_and_muon_scalars(cache, tmp_path):
 
 def test_megatron_core_muon_side_by_side_in_bf16(cache):
     """--muon-impl megatron, the side-by-side peer the docs offer, trains in bf16."""
-    stdout = run(
-        PRETRAIN
-        + [
-            "--recipe",
-            "tiny_gqa",
-            "--muon-impl",
-            "megatron",
-            "--bf16",
-            "--train-iters",
-            "3",
-            "--lr-warmup-iters",
-            "0",
-            "--eval-iters",
-            "0",
-            "--data-cache-path",
-            str(cache),
-        ]
-    )
+    stdout = run(short_run("tiny_gqa", cache, "--muon-impl", "megatron", "--bf16"))
     assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
 
 
@@ -186,23 +157,7 @@ def test_adamw_with_a_qk_clip_recipe(cache):
     """The AdamW peer on a recipe that turns QK-Clip on: the recipe's QK-Clip is Muon's, so it
     is switched off with one line; the max logit is still measured (Megatron-LM's own
     clip_qk fails on an fp32 model) and training runs."""
-    stdout = run(
-        PRETRAIN
-        + [
-            "--recipe",
-            "tiny_moe_mla",
-            "--optimizer",
-            "adam",
-            "--train-iters",
-            "3",
-            "--lr-warmup-iters",
-            "0",
-            "--eval-iters",
-            "0",
-            "--data-cache-path",
-            str(cache),
-        ]
-    )
+    stdout = run(short_run("tiny_moe_mla", cache, "--optimizer", "adam"))
     assert "the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer adam" in stdout
     assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
 
@@ -281,55 +236,15 @@ def test_muon_load_of_an_adamw_run_says_how_to_switch(cache, tmp_path):
     """--optimizer muon --load of an AdamW run (Megatron-LM's default optimizer format) stops
     before any model is built, in one line, with the commands that switch it (the whole
     walk-through runs in docs/checkpoints.md); --no-load-optim loads the weights alone."""
-    save = tmp_path / "adamw"
-    run(
-        PRETRAIN
-        + [
-            "--recipe",
-            "tiny_gqa",
-            "--optimizer",
-            "adam",
-            "--train-iters",
-            "2",
-            "--lr-warmup-iters",
-            "0",
-            "--eval-iters",
-            "0",
-            "--save",
-            str(save),
-            "--save-interval",
-            "2",
-            "--data-cache-path",
-            str(cache),
-        ]
-    )
-    proc = launch(
-        PRETRAIN + ["--recipe", "tiny_gqa", "--load", str(save), "--train-iters", "4", "--data-cache-path", str(cache)],
-        timeout=120,
-    )
+    save = str(tmp_path / "adamw")
+    run(short_run("tiny_gqa", cache, "--optimizer", "adam", "--save", save, "--save-interval", "2", iterations=2))
+    proc = launch(short_run("tiny_gqa", cache, "--load", save, iterations=4), timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     for says in ("holds AdamW state", "--dist-ckpt-optim-fully-reshardable", "convert_checkpoint.py adam-to-muon"):
         assert says in lines[0], lines[0]
     assert BUILT not in proc.stdout
-    weights = run(
-        PRETRAIN
-        + [
-            "--recipe",
-            "tiny_gqa",
-            "--load",
-            str(save),
-            "--no-load-optim",
-            "--train-iters",
-            "3",
-            "--lr-warmup-iters",
-            "0",
-            "--eval-iters",
-            "0",
-            "--data-cache-path",
-            str(cache),
-        ]
-    )
+    weights = run(short_run("tiny_gqa", cache, "--load", save, "--no-load-optim"))
     assert sorted(losses(weights)) == [3]
 
 
