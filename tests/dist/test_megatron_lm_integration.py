@@ -30,6 +30,7 @@ def add_megatron_like_arguments(p: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--bf16", action="store_true")
     p.add_argument("--optimizer-cpu-offload", action="store_true")
     p.add_argument("--use-megatron-fsdp", action="store_true")
     p.add_argument("--save", default=None)
@@ -156,7 +157,7 @@ def test_patches_install_route_and_uninstall(monkeypatch):
     training.args = standin_parse(arguments, "--optimizer", "adam")
     assert training.get_megatron_optimizer(OptimizerConfig(optimizer="adam"), []) == "megatron's"
     training.args = args = standin_parse(arguments, "--optimizer", "muon", "--muon-impl", "megatron",
-                                         "--use-distributed-optimizer")
+                                         "--use-distributed-optimizer", "--bf16")
     arguments.validate_args(args)
     assert args.use_layer_wise_distributed_optimizer  # Megatron's own Muon, untouched
     assert training.get_megatron_optimizer(config, []) == "megatron's"
@@ -178,7 +179,8 @@ def test_patches_install_route_and_uninstall(monkeypatch):
      "--ckpt-format torch_dist"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--muon-scalar-optimizer", "lion"],
      "muon_scalar_optimizer='lion'"),
-    (["--optimizer", "muon", "--muon-impl", "megatron", "--muon-tp-mode", "exact"], "--muon-tp-mode exact"),
+    (["--optimizer", "muon", "--muon-impl", "megatron", "--bf16", "--muon-tp-mode", "exact"], "--muon-tp-mode exact"),
+    (["--optimizer", "muon", "--muon-impl", "megatron"], "runs only with --bf16"),
 ])
 def test_unsupported_combinations_name_the_flag(argv, match):
     arguments, training, _ = standin_modules()
