@@ -217,35 +217,50 @@ def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cac
     )
 
 
-@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
-def test_adamw_baseline_resumes_exactly(cache, tmp_path, precision):
+DEFAULT_FORMAT = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable"]
+"""COMMON with Megatron-LM's default distributed-optimizer checkpoint format."""
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(cache, tmp_path_factory) -> Dict[str, dict]:
+    """The AdamW peer, uninterrupted, saving at 3 and 6 in Megatron-LM's default format, in
+    fp32 and bf16."""
+    out = {}
+    for name, precision in (("fp32", []), ("bf16", ["--bf16"])):
+        ckpt = tmp_path_factory.mktemp(f"adamw_{name}") / "ckpt"
+        args = DEFAULT_FORMAT + precision + ["--optimizer", "adam", "--data-cache-path", str(cache)]
+        out[name] = dict(
+            args=args, ckpt=ckpt, stdout=run(PRETRAIN + args + ["--save", str(ckpt), "--save-interval", "3"])
+        )
+    return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_adamw_baseline_resumes_exactly(adamw_runs, precision):
     """The AdamW peer (Megatron's DistributedOptimizer with torch's AdamW on the CPU), saved
     with Megatron-LM's default distributed-optimizer format, resumes as the uninterrupted
     run goes on: bit for bit at iterations 4 and 6 (5 logs the mean of 4 and 5). It failed
     to load in fp32 and resumed with a wrong Adam step (bias correction) in bf16."""
-    default_format = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable"]
-    args = default_format + precision + ["--optimizer", "adam", "--data-cache-path", str(cache)]
-    full = run(PRETRAIN + args + ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"])
-    resumed = run(PRETRAIN + args + ["--load", str(tmp_path / "ckpt"), "--ckpt-step", "3"])
+    full = adamw_runs[precision]
+    resumed = run(PRETRAIN + full["args"] + ["--load", str(full["ckpt"]), "--ckpt-step", "3"])
     assert sorted(losses(resumed)) == [4, 5, 6], resumed[-2000:]
-    assert all(losses(resumed)[i] == losses(full)[i] for i in (4, 6)), (losses(resumed), losses(full))
-    assert validation(resumed)[6] == validation(full)[6]
+    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 6)), (losses(resumed), full["stdout"])
+    assert validation(resumed)[6] == validation(full["stdout"])[6]
 
 
-def test_muon_load_of_an_adamw_run_says_how_to_switch(cache, tmp_path):
+def test_muon_load_of_an_adamw_run_says_how_to_switch(adamw_runs, cache):
     """--optimizer muon --load of an AdamW run (Megatron-LM's default optimizer format) stops
     before any model is built, in one line, with the commands that switch it (the whole
     walk-through runs in docs/checkpoints.md); --no-load-optim loads the weights alone."""
-    save = str(tmp_path / "adamw")
-    run(short_run("tiny_gqa", cache, "--optimizer", "adam", "--save", save, "--save-interval", "2", iterations=2))
-    proc = launch(short_run("tiny_gqa", cache, "--load", save, iterations=4), timeout=120)
+    load = DEFAULT_FORMAT + ["--data-cache-path", str(cache), "--load", str(adamw_runs["fp32"]["ckpt"])]
+    proc = launch(PRETRAIN + load, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     for says in ("holds AdamW state", "--dist-ckpt-optim-fully-reshardable", "convert_checkpoint.py adam-to-muon"):
         assert says in lines[0], lines[0]
     assert BUILT not in proc.stdout
-    weights = run(short_run("tiny_gqa", cache, "--load", save, "--no-load-optim"))
-    assert sorted(losses(weights)) == [3]
+    weights = run(PRETRAIN + load + ["--no-load-optim", "--train-iters", "7"])
+    assert sorted(losses(weights)) == [7]
 
 
 def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_path):
@@ -273,50 +288,68 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
     assert "iteration        1/" not in proc.stdout  # no training step ran
 
 
-@pytest.mark.parametrize(
-    "argv, says",
-    [
-        (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
-        (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
-        (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
-        # Megatron-LM would report these as its min_lr <= lr check
-        (["--recipe", "tiny_gqa", "--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
-        (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
-        # Megatron-core's Muon fails in fp32 in its step (megatron-core 0.19.2)
-        (["--recipe", "tiny_gqa", "--muon-impl", "megatron"], "runs only with --bf16"),
-        # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
-        (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
-        # what the CPU path cannot run (Megatron would fail late or ignore the flag)
-        pytest.param(
-            ["--recipe", "tiny_gqa", "--transformer-impl", "transformer_engine"],
-            "use --transformer-impl local",
-            marks=NEEDS_NO_TE,
-        ),
-        pytest.param(
-            ["--recipe", "tiny_moe", "--moe-token-dispatcher-type", "alltoall"],
-            "use --moe-token-dispatcher-type allgather",
-            marks=NEEDS_NO_GPU,
-        ),
-        pytest.param(
-            ["--recipe", "tiny_moe", "--moe-grouped-gemm"], "--moe-grouped-gemm needs a GPU", marks=NEEDS_NO_GPU
-        ),
-        pytest.param(
-            ["--recipe", "tiny_gqa", "--attention-backend", "flash"],
-            "--attention-backend flash needs a GPU",
-            marks=NEEDS_NO_GPU,
-        ),
-        # a bare assert of Megatron-LM's validation: its source line names the argument
-        (
-            ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
-            "check `assert args.save_interval is not None` failed",
-        ),
-    ],
-)
-def test_bad_input_one_line_exit_2_before_any_model(argv, says):
-    proc = launch(PRETRAIN + argv, timeout=120)
+BAD_INPUT = [
+    (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
+    (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
+    (["--recipe", "tiny_gqa", "--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
+    # Megatron-LM would report these as its min_lr <= lr check
+    (["--recipe", "tiny_gqa", "--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
+    (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
+    # Megatron-core's Muon fails in fp32 in its step (megatron-core 0.19.2)
+    (["--recipe", "tiny_gqa", "--muon-impl", "megatron"], "runs only with --bf16"),
+    # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
+    (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
+    # what the CPU path cannot run (Megatron would fail late or ignore the flag)
+    pytest.param(
+        ["--recipe", "tiny_gqa", "--transformer-impl", "transformer_engine"],
+        "use --transformer-impl local",
+        marks=NEEDS_NO_TE,
+    ),
+    pytest.param(
+        ["--recipe", "tiny_moe", "--moe-token-dispatcher-type", "alltoall"],
+        "use --moe-token-dispatcher-type allgather",
+        marks=NEEDS_NO_GPU,
+    ),
+    pytest.param(["--recipe", "tiny_moe", "--moe-grouped-gemm"], "--moe-grouped-gemm needs a GPU", marks=NEEDS_NO_GPU),
+    pytest.param(
+        ["--recipe", "tiny_gqa", "--attention-backend", "flash"],
+        "--attention-backend flash needs a GPU",
+        marks=NEEDS_NO_GPU,
+    ),
+    # a bare assert of Megatron-LM's validation: its source line names the argument
+    (
+        ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
+        "check `assert args.save_interval is not None` failed",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_results() -> Dict[str, List]:
+    """Every case of BAD_INPUT through the main job's start-up, in one process
+    (tests.helpers.bad_input); the unknown recipe also as a user launches it."""
+    import json
+
+    argvs = [case.values[0] if hasattr(case, "values") else case[0] for case in BAD_INPUT]
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.bad_input"], input=json.dumps(argvs), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {" ".join(argv): result for argv, result in zip(argvs, json.loads(proc.stdout))}
+
+
+@pytest.mark.parametrize("argv, says", BAD_INPUT)
+def test_bad_input_one_line_exit_2_before_any_model(bad_input_results, argv, says):
+    code, stderr = bad_input_results[" ".join(argv)]
+    lines = stderr.strip().splitlines()
+    assert code == 2 and len(lines) == 1, stderr[-2000:]
+    assert lines[0].startswith("pretrain_gpt.py: error: ") and says in lines[0], stderr[-2000:]
+    assert "Traceback" not in stderr
+
+
+def test_bad_input_as_a_user_launches_it():
+    proc = launch(PRETRAIN + ["--recipe", "tiny_gqa", "--lr", "nan"], timeout=120)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    assert lines[0].startswith("pretrain_gpt.py: error: ") and says in lines[0], proc.stderr[-2000:]
+    assert proc.returncode == 2 and lines == ["pretrain_gpt.py: error: --lr nan is invalid: use a finite number >= 0"]
     assert "Traceback" not in proc.stderr and BUILT not in proc.stdout
 
 

@@ -1,0 +1,39 @@
+"""Run the main job's start-up (``launch.prepare``, what ``tools/pretrain_gpt.py`` runs
+before building anything) on many command lines in one interpreter: each case's exit code
+and what it printed on stderr. Bad input must end before any global state is set, so the
+cases do not see each other; one process instead of one per case saves an import of
+Megatron-LM per case.
+
+``python -m tests.helpers.bad_input`` reads a JSON list of argv lists on stdin and writes a
+JSON list of ``[exit code, stderr]`` on stdout."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+
+def main() -> None:
+    cases = json.load(sys.stdin)
+    sys.argv = ["pretrain_gpt.py"]
+    from megatron_muon.megatron_lm.launch import prepare
+
+    results = []
+    for argv in cases:
+        err, out = io.StringIO(), io.StringIO()
+        code = 0
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            try:
+                prepare(argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else 1
+            except BaseException as exc:  # noqa: BLE001 - a traceback is what the test reports
+                code, err = 1, io.StringIO(f"Traceback: {exc!r}")
+        results.append([code, err.getvalue()])
+    json.dump(results, sys.__stdout__)
+
+
+if __name__ == "__main__":
+    main()
