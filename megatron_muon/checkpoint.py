@@ -23,13 +23,17 @@ since) starts at zero; one it holds but the run does not use is ignored.
 ``save_checkpoint`` / ``load_checkpoint`` write and read a whole training state (model,
 optimizer, extra objects) atomically: everything goes to a temporary directory, gets a
 checksum manifest (``megatron_muon.integrity``) once every rank finished writing, and is
-renamed into place; loading verifies the manifest on all ranks before reading anything,
-and falls back to ``<dir>.old`` when a re-save was interrupted between its two renames.
+swapped into place (:func:`swap_into_place`, also used by Megatron-LM's save path);
+loading verifies the manifest on all ranks before reading anything, and falls back to
+``<dir>.old`` when a re-save was interrupted between the two renames of a filesystem that
+cannot exchange directories atomically.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
 import logging
 import os
 import shutil
@@ -299,11 +303,9 @@ def save_checkpoint(
     ``load_checkpoint(..., per_rank=True)`` only at the same world size.
 
     Written to ``<checkpoint_dir>.tmp`` first; once all ranks finished, the checksum
-    manifest is written (last) and the directory is renamed into place, so a failed or
-    interrupted save leaves the previous checkpoint intact (the failure propagates to the
-    caller). Between the two renames of the swap the previous checkpoint sits at
-    ``<checkpoint_dir>.old``; ``load_checkpoint`` falls back to it (see
-    ``resolve_checkpoint_dir``). Collective: call on every rank.
+    manifest is written (last) and the directory is swapped into place
+    (:func:`swap_into_place`), so a failed or interrupted save leaves the previous
+    checkpoint intact (the failure propagates to the caller). Collective: call on every rank.
     """
     from megatron.core import dist_checkpointing
 
@@ -323,13 +325,71 @@ def save_checkpoint(
     _barrier()
     write_manifest(tmp)  # collective; ends with a barrier
     if _rank0():
-        old = checkpoint_dir.rstrip("/") + ".old"
-        if os.path.exists(checkpoint_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(checkpoint_dir, old)
-        os.rename(tmp, checkpoint_dir)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_into_place(tmp, checkpoint_dir)
     _barrier()
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the system or filesystem has no such call."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def swap_into_place(staging: str, target: str) -> None:
+    """Move the complete checkpoint ``staging`` to ``target`` so that ``target`` always names a
+    complete checkpoint: a new one is renamed in; an existing one is exchanged with it in one
+    atomic step, then deleted. Where the filesystem cannot exchange, two renames (``target``
+    to ``<target>.old``, ``staging`` to ``target``); between them ``<target>.old`` is the
+    complete one (:func:`resolve_checkpoint_dir`, :func:`recover_interrupted_swap`). An empty
+    ``target`` (a directory made for the save) is replaced. One process (rank 0) calls it."""
+    target = target.rstrip("/")
+    if os.path.isdir(target) and not os.listdir(target):
+        os.rmdir(target)
+    if not os.path.exists(target):
+        os.rename(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging)
+    else:
+        old = target + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(staging, target)
+    shutil.rmtree(target + ".old", ignore_errors=True)  # also one an earlier interrupted swap left
+    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+def recover_interrupted_swap(target: str) -> Optional[str]:
+    """Undo what a killed :func:`swap_into_place` left at ``target``: the previous checkpoint
+    back from ``<target>.old`` when ``target`` is missing, or ``<target>.old`` removed when
+    ``target`` is complete. Returns a line saying what was done (None: nothing)."""
+    target = target.rstrip("/")
+    old = target + ".old"
+    if not has_manifest(old):
+        return None
+    if not os.path.exists(target):
+        os.rename(old, target)
+        return f"{target}: an interrupted re-save left it at {old}; moved back"
+    if has_manifest(target):
+        shutil.rmtree(old)
+        return f"{target}: removed {old}, the previous copy an interrupted re-save had replaced"
+    return None
 
 
 def _per_rank_object(value: Any):

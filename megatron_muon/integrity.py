@@ -16,13 +16,16 @@ add on top:
   reported with the tensors whose bytes changed.
 * **Written atomically**, after everything else: a temporary file, fsync, ``os.replace``.
   A directory whose manifest is missing was not completely saved.
+* **Its absence is noticed.** Before hashing, a record (``megatron_muon.json``, covered by
+  the manifest) says that the directory carries a manifest, so a checkpoint whose manifest
+  was deleted is refused rather than loaded as one from a tool that writes none.
 
 Sizes are checked before contents: a truncated file is reported as truncated, a missing file
 as missing. ``python -m megatron_muon.integrity write|verify DIR`` runs the same on one
 process.
 
 Public API: :func:`write_manifest`, :func:`verify_manifest`, :func:`has_manifest`,
-:class:`CheckpointIntegrityError`, :data:`MANIFEST`.
+:func:`saved_with_manifest`, :class:`CheckpointIntegrityError`, :data:`MANIFEST`, :data:`RECORD`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
 MANIFEST = INTEGRITY_FNAME
 """File name of the manifest inside a checkpoint directory (Megatron-core's)."""
+RECORD = "megatron_muon.json"
+"""File name of the record that a checkpoint directory carries a manifest (ours)."""
 ALGORITHM = "sha256"
 _BLOCK = 16 << 20
 _TORCH_METADATA = ".metadata"
@@ -144,15 +149,22 @@ def _checkpoint_files(checkpoint_dir: str) -> Dict[str, int]:
 # ---------------------------------------------------------------------------------------
 
 
-def write_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None) -> None:
+def write_manifest(
+    checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None, source_verified: bool = True
+) -> None:
     """Hash every file of ``checkpoint_dir`` and write its manifest atomically, last.
 
     Collective over ``group`` (default: all ranks) when torch.distributed is initialized:
     call it on every rank after every rank finished writing (e.g. after
-    ``dist_checkpointing.save`` returned). Each rank hashes its share of the files; rank 0
-    writes the manifest; all ranks return after it exists.
+    ``dist_checkpointing.save`` returned). Rank 0 first writes the :data:`RECORD`; each rank
+    hashes its share of the files; rank 0 writes the manifest; all ranks return after it
+    exists. ``source_verified=False`` (a conversion of a checkpoint that had no manifest)
+    says so in the record, and loading warns.
     """
     rank, world = _group_info(group)
+    if rank == 0:
+        record = {"manifest": MANIFEST, "source_verified": source_verified}
+        write_atomically(os.path.join(checkpoint_dir, RECORD), json.dumps(record))
     sizes = _checkpoint_files(checkpoint_dir) if rank == 0 else None
     sizes = _broadcast(sizes, group, world)
     items = _stored_items(checkpoint_dir)
@@ -170,7 +182,7 @@ def write_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = Non
             "sizes": {name: merged[name][1] for name in sorted(merged)},
             "items": {name: merged[name][2] for name in sorted(merged) if merged[name][2]},
         }
-        _write_atomically(os.path.join(checkpoint_dir, MANIFEST), json.dumps(manifest, indent=1))
+        write_atomically(os.path.join(checkpoint_dir, MANIFEST), json.dumps(manifest, indent=1))
     if world > 1:
         dist.barrier(group=group)
 
@@ -183,7 +195,9 @@ def _broadcast(value, group: Optional[dist.ProcessGroup], world: int):
     return box[0]
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old contents or the new, never a
+    part: a temporary file, fsync, ``os.replace``, fsync of the directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -207,8 +221,34 @@ def has_manifest(checkpoint_dir: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint_dir, MANIFEST))
 
 
+def saved_with_manifest(checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint_dir`` was saved with a manifest (its :data:`RECORD` says so),
+    whether or not the manifest is still there."""
+    return os.path.isfile(os.path.join(checkpoint_dir, RECORD))
+
+
+def source_verified(checkpoint_dir: str) -> bool:
+    """False when the record says the checkpoint was converted from an unverified source."""
+    try:
+        with open(os.path.join(checkpoint_dir, RECORD)) as f:
+            return bool(json.load(f).get("source_verified", True))
+    except (OSError, ValueError):
+        return True
+
+
+def missing_manifest_error(checkpoint_dir: str) -> CheckpointIntegrityError:
+    """The refusal of a checkpoint saved with a manifest that is no longer there."""
+    return CheckpointIntegrityError(
+        f"{checkpoint_dir} was saved with a manifest ({RECORD} says so) but {MANIFEST} is missing: its files "
+        "cannot be verified; restore it from a copy of the checkpoint, or if you trust the files, write a new one "
+        f"with `python -m megatron_muon.integrity write {checkpoint_dir}`"
+    )
+
+
 def _read_manifest(checkpoint_dir: str) -> dict:
     path = os.path.join(checkpoint_dir, MANIFEST)
+    if not os.path.isfile(path) and saved_with_manifest(checkpoint_dir):
+        raise missing_manifest_error(checkpoint_dir)
     if not os.path.isfile(path):
         raise CheckpointIntegrityError(
             f"{checkpoint_dir} has no {MANIFEST}: it was not completely saved (the manifest is "
@@ -247,16 +287,17 @@ def _check_file(checkpoint_dir: str, name: str, manifest: dict) -> Optional[str]
     return f"{name}: contents changed (sha256 mismatch){where}"
 
 
-def verify_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None) -> None:
+def verify_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None, local: bool = False) -> None:
     """Check every file of ``checkpoint_dir`` against its manifest before anything is read.
 
     Collective over ``group`` (default: all ranks) when torch.distributed is initialized:
     each rank hashes its share of the files, the findings are all-gathered, and every rank
     raises the same :class:`CheckpointIntegrityError` naming the files (and, for torch_dist
     data files, the tensors) that are missing, truncated or changed. A missing or unreadable
-    manifest fails the same way on every rank.
+    manifest fails the same way on every rank. ``local=True``: this process checks every
+    file alone (no collective), e.g. rank 0 choosing a checkpoint for everyone.
     """
-    rank, world = _group_info(group)
+    rank, world = (0, 1) if local else _group_info(group)
     problems: List[str] = []
     try:
         manifest = _read_manifest(checkpoint_dir)

@@ -29,7 +29,7 @@ if not cpu.use_cuda():
     cpu.quiet_missing_extension_notices()
 
 from megatron_muon.megatron_lm import corpus  # noqa: E402
-from megatron_muon.megatron_lm.launch import prepare  # noqa: E402
+from megatron_muon.megatron_lm.launch import checkpoint_errors_as_one_line, prepare  # noqa: E402
 
 # ---------------------------------------------------------------------------------------
 # Model
@@ -201,7 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = prepare(argv)
     config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
-    pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    with checkpoint_errors_as_one_line():
+        pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
     shut_down_process_groups()
     return 0
 

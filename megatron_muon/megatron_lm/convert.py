@@ -31,7 +31,6 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -39,10 +38,28 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, STATE_PREFIX, CheckpointError, common_state
+from megatron_muon.checkpoint import (
+    _READ_ERRORS,
+    FORMAT,
+    STATE_PREFIX,
+    CheckpointError,
+    common_state,
+    read_common,
+    swap_into_place,
+)
 from megatron_muon.checkpoint import state_key as _state_key
-from megatron_muon.integrity import CheckpointIntegrityError, has_manifest, verify_manifest, write_manifest
+from megatron_muon.integrity import (
+    MANIFEST,
+    CheckpointIntegrityError,
+    has_manifest,
+    missing_manifest_error,
+    saved_with_manifest,
+    verify_manifest,
+    write_atomically,
+    write_manifest,
+)
 from megatron_muon.matrices import is_muon_matrix
+from megatron_muon.megatron_lm.checkpoint_guards import TRACKER, read_tracker
 from megatron_muon.state import MOMENTUM, MUON_STATES
 
 _SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
@@ -83,14 +100,32 @@ def _read_metadata(path: str):
         raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
 
 
+def check_source(path: str, unverified: bool = False) -> bool:
+    """Verify ``path`` against its manifest; returns whether it was verified. A checkpoint
+    without one is refused (one saved with a manifest that is gone, always; one saved
+    without, e.g. by plain Megatron-LM, unless ``unverified``)."""
+    if has_manifest(path):
+        verify_manifest(path)
+        return True
+    if saved_with_manifest(path):
+        raise missing_manifest_error(path)
+    if not unverified:
+        raise CheckpointError(
+            f"{path} has no {MANIFEST} (saved without megatron_muon), so its files cannot be verified: pass "
+            "--unverified-source to convert it anyway (the result is labelled as converted from an unverified source)"
+        )
+    return False
+
+
 def read_checkpoint(path: str) -> Checkpoint:
-    """Every tensor (full global shape), sharded object and the common state of ``path``."""
+    """Every tensor (full global shape), sharded object and the common state of ``path``
+    (verified first when it has a manifest)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = _read_metadata(path)
-    if has_manifest(path):  # checkpoints written before manifests existed are read as they are
+    if has_manifest(path):
         verify_manifest(path)
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
@@ -120,7 +155,7 @@ def read_checkpoint(path: str) -> Checkpoint:
     return ckpt
 
 
-def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
+def write_checkpoint(path: str, ckpt: Checkpoint, source_verified: bool = True) -> None:
     """Write ``ckpt`` as a torch_dist checkpoint into the new, empty directory ``path``."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -139,14 +174,12 @@ def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
     os.makedirs(path, exist_ok=False)
     dist_checkpointing.save(state, path)
     # Written last, so a converter killed mid-write leaves a directory no loader accepts.
-    write_manifest(path)
+    write_manifest(path, source_verified=source_verified)
 
 
 # ---------------------------------------------------------------------------------------
 # Megatron-LM's checkpoint directory layout, and writing without losing anything
 # ---------------------------------------------------------------------------------------
-
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -157,8 +190,9 @@ def resolve_source(src: str) -> str:
     """The torch_dist directory ``src`` names: itself, or the iteration its tracker names."""
     tracker = os.path.join(src, TRACKER)
     if os.path.isfile(tracker):
-        with open(tracker) as f:
-            latest = f.read().strip()
+        latest = read_tracker(src)
+        if latest is None:
+            raise CheckpointError(f"{tracker} is empty or unreadable: give the iter_XXXXXXX directory to convert")
         path = os.path.join(src, "release" if latest == "release" else iteration_dir_name(int(latest)))
         if not os.path.isdir(path):
             raise CheckpointError(f"{tracker} names iteration {latest}, but {path} does not exist")
@@ -187,13 +221,29 @@ def check_paths(src: str, dst: str) -> None:
         )
 
 
-def publish(dst: str, iteration: int, ckpt: Checkpoint, overwrite: bool = False) -> str:
+def check_destination(dst: str, iteration: int, overwrite: bool) -> None:
+    """Without ``overwrite``, an existing ``dst`` may neither hold ``iteration`` already nor
+    track a later one (its tracker would move back)."""
+    final = os.path.join(dst, iteration_dir_name(iteration))
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointError(f"{final} already exists; pass --overwrite to replace it, or choose another destination")
+    tracked = read_tracker(dst) if os.path.isdir(dst) else None
+    if tracked is not None and tracked.isdigit() and int(tracked) > iteration and not overwrite:
+        raise CheckpointError(
+            f"{os.path.join(dst, TRACKER)} names iteration {tracked}, later than the converted {iteration}: --load "
+            f"{dst} would no longer resume from {tracked}; choose another destination, or pass --overwrite to point "
+            f"it at {iteration} ({iteration_dir_name(int(tracked))} is kept)"
+        )
+
+
+def publish(dst: str, iteration: int, ckpt: Checkpoint, overwrite: bool = False, source_verified: bool = True) -> str:
     """Write ``ckpt`` as ``dst/iter_XXXXXXX`` plus the tracker; returns the iteration directory.
 
     A new ``dst`` is built complete under a temporary name and renamed into place. Into an
-    existing ``dst`` the iteration is written under a temporary name, renamed in (an existing
-    one only with ``overwrite``, moved aside first and removed last), then the tracker is
-    replaced atomically. Nothing else in ``dst`` is touched.
+    existing ``dst`` the iteration is written under a temporary name and swapped in
+    (``swap_into_place``; an existing one only with ``overwrite``), then the tracker is
+    replaced atomically; a tracker naming a later iteration is moved back only with
+    ``overwrite``. Nothing else in ``dst`` is touched.
     """
     name = iteration_dir_name(iteration)
     final = os.path.join(dst, name)
@@ -201,31 +251,21 @@ def publish(dst: str, iteration: int, ckpt: Checkpoint, overwrite: bool = False)
         parent = os.path.dirname(os.path.abspath(dst))
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".tmp-", dir=parent)
-        write_checkpoint(os.path.join(staging, name), ckpt)
+        write_checkpoint(os.path.join(staging, name), ckpt, source_verified)
         _write_tracker(staging, iteration)
         os.rename(staging, dst)
         return final
-    if os.path.exists(final) and not overwrite:
-        raise CheckpointError(f"{final} already exists; pass --overwrite to replace it, or choose another destination")
+    check_destination(dst, iteration, overwrite)
     staging = tempfile.mkdtemp(prefix=name + ".tmp-", dir=dst)
-    write_checkpoint(os.path.join(staging, name), ckpt)
-    aside = None
-    if os.path.exists(final):
-        aside = tempfile.mkdtemp(prefix=name + ".old-", dir=dst)
-        os.rename(final, os.path.join(aside, name))
-    os.rename(os.path.join(staging, name), final)
+    write_checkpoint(os.path.join(staging, name), ckpt, source_verified)
+    swap_into_place(os.path.join(staging, name), final)
     os.rmdir(staging)
     _write_tracker(dst, iteration)
-    if aside is not None:
-        shutil.rmtree(aside)
     return final
 
 
 def _write_tracker(directory: str, iteration: int) -> None:
-    tmp = os.path.join(directory, TRACKER + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(str(iteration))
-    os.replace(tmp, os.path.join(directory, TRACKER))
+    write_atomically(os.path.join(directory, TRACKER), str(iteration))
 
 
 def _retarget_args(ckpt: Checkpoint, optimizer: str) -> None:
@@ -269,6 +309,7 @@ def adam_to_muon(
     exclude: Iterable[str] = (),
     router: bool = False,
     overwrite: bool = False,
+    unverified_source: bool = False,
 ) -> Dict[str, int]:
     """Megatron DistributedOptimizer (AdamW, ``fully_reshardable``) -> Muon checkpoint.
 
@@ -277,6 +318,8 @@ def adam_to_muon(
     parameters keep their AdamW state."""
     check_paths(src, dst)
     source = resolve_source(src)
+    verified = check_source(source, unverified_source)
+    check_destination(dst, checkpoint_iteration(Checkpoint(common=read_common(source))), overwrite)
     ckpt = read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") == FORMAT:
@@ -312,12 +355,17 @@ def adam_to_muon(
     dense = {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}
     ckpt.common["optimizer"] = dict(common_state(step, {"dense": dense}, {}), converted_from="megatron_adam")
     _retarget_args(ckpt, "muon")
-    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite)
+    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite, source_verified=verified)
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
 
 
 def muon_to_adam(
-    src: str, dst: str, exp_avg: str = "zeros", beta1: float = 0.9, overwrite: bool = False
+    src: str,
+    dst: str,
+    exp_avg: str = "zeros",
+    beta1: float = 0.9,
+    overwrite: bool = False,
+    unverified_source: bool = False,
 ) -> Dict[str, int]:
     """Muon checkpoint -> Megatron DistributedOptimizer (AdamW, ``fully_reshardable``).
 
@@ -327,6 +375,8 @@ def muon_to_adam(
     sign-like updates of size lr)."""
     check_paths(src, dst)
     source = resolve_source(src)
+    verified = check_source(source, unverified_source)
+    check_destination(dst, checkpoint_iteration(Checkpoint(common=read_common(source))), overwrite)
     ckpt = read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") != FORMAT:
@@ -367,7 +417,7 @@ def muon_to_adam(
             ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable"
         )
     _retarget_args(ckpt, "adam")
-    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite)
+    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite, source_verified=verified)
     return {"converted": converted, "step": step, "wrote": written}
 
 
@@ -507,6 +557,12 @@ def _print_to_pipe(text: str) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+UNVERIFIED_HELP = (
+    "convert a source that has no integrity manifest (saved without megatron_muon); the result is labelled "
+    "as converted from an unverified source"
+)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """Command line of ``tools/convert_checkpoint.py``."""
     import argparse
@@ -520,12 +576,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     a2m.add_argument("--muon-exclude-patterns", nargs="*", default=[])
     a2m.add_argument("--muon-router", action="store_true", help="the router weight is a Muon matrix")
     a2m.add_argument("--overwrite", action="store_true", help="replace DST's iteration if it exists")
+    a2m.add_argument("--unverified-source", action="store_true", help=UNVERIFIED_HELP)
     m2a = sub.add_parser("muon-to-adam", help="Muon checkpoint -> Megatron AdamW distributed optimizer")
     m2a.add_argument("src")
     m2a.add_argument("dst")
     m2a.add_argument("--exp-avg", choices=("zeros", "momentum"), default="zeros")
     m2a.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1 (scales momentum into exp_avg)")
     m2a.add_argument("--overwrite", action="store_true", help="replace DST's iteration if it exists")
+    m2a.add_argument("--unverified-source", action="store_true", help=UNVERIFIED_HELP)
     exp = sub.add_parser("experts", help="legacy fused GroupedMLP <-> per-expert weights of a torch state dict")
     exp.add_argument("src")
     exp.add_argument("dst")
@@ -539,11 +597,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.command == "adam-to-muon":
             print(
                 adam_to_muon(
-                    args.src, args.dst, args.momentum, args.muon_exclude_patterns, args.muon_router, args.overwrite
+                    args.src,
+                    args.dst,
+                    args.momentum,
+                    args.muon_exclude_patterns,
+                    args.muon_router,
+                    args.overwrite,
+                    args.unverified_source,
                 )
             )
         elif args.command == "muon-to-adam":
-            print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1, args.overwrite))
+            print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1, args.overwrite, args.unverified_source))
         elif args.command == "experts":
             convert_experts_file(args.src, args.dst, args.to, args.num_experts, args.overwrite)
             print(f"wrote {args.dst}")
@@ -551,4 +615,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             _print_to_pipe(inspect(args.path))
     except (CheckpointError, CheckpointIntegrityError) as e:
         print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+    except OSError as e:  # an unwritable destination, a full disk: what and where, in one line
+        print(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
         raise SystemExit(2) from e

@@ -9,7 +9,7 @@ imports of its ``pretrain_gpt.py``)::
 then launch as before with ``--optimizer muon --use-distributed-optimizer`` and any
 ``--muon-*`` flag; ``--muon-impl megatron`` selects Megatron-core's own Muon. The wrappers
 replace module globals Megatron-LM looks up at call time: arguments, validation, optimizer
-factory, ``clip_qk`` and DDP construction here, checkpoint integrity in ``integrity_hooks``.
+factory, ``clip_qk`` and DDP construction here, checkpoint saves and loads in ``checkpoint_guards``.
 docs/design.md ("Inside Megatron-LM") maps each one to the Megatron-LM lines it relies on.
 
 Megatron-LM's own ``--muon-*`` flags are reused; a value counts only when given on the
@@ -474,9 +474,14 @@ def use_megatron_muon(
 
         ddp_class = dist_utils.DistributedDataParallel  # looked up by _ddp_wrap at call time
         patches.append((dist_utils, "DistributedDataParallel", ddp_class, _owner_aligned_ddp(ddp_class, installed)))
-    from .integrity_hooks import integrity_patches  # checksummed checkpoints in Megatron-LM's save/load
+    from .checkpoint_guards import checkpoint_patches  # atomic, verified saves and loads in Megatron-LM's
 
-    patches += integrity_patches()
+    real = training_module.__name__ == "megatron.training.training"
+    patches += checkpoint_patches(training_module if real else None)
+    if real:
+        from .expert_bias import expert_bias_patches  # a skipped step leaves the router's bias too
+
+        patches += expert_bias_patches(training_module)
 
     def undo() -> None:
         """Restore Megatron-LM's functions (those still carrying our wrapper)."""

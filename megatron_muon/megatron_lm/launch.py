@@ -43,6 +43,12 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         help="YAML file (or name under recipes/) of Megatron-LM flags; the command line overrides it. "
         f"Available: {', '.join(recipes.available_recipes())}.",
     )
+    megatron_muon_group(parser).add_argument(
+        "--start-over",
+        action="store_true",
+        help="Start a new run in a --save directory that holds one although --load names no checkpoint "
+        "(refused otherwise: the new run would replace that run's iterations as it saves).",
+    )
     parser.error = functools.partial(_one_line_error, parser.prog)  # not Megatron-LM's 3,000-line usage
     if not cpu.use_cuda():
         parser.set_defaults(distributed_backend="gloo")
@@ -204,7 +210,7 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
     ends the process with one line and exit code 2 (:func:`_megatron_argv`), nothing built."""
     from megatron.training.arguments import parse_and_validate_args
 
-    with _megatron_argv(argv), _checked_after_parsing(check_runnable_here):
+    with _megatron_argv(argv), _checked_after_parsing(check_runnable_here, check_save_directory):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         check_checkpoint_to_load(args)
@@ -213,9 +219,10 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def _checked_after_parsing(check):
-    """Inside the block, Megatron-LM's ``parse_args`` runs ``check`` on what it parsed, before
-    Megatron-LM's validation (which fails on some of the same flags without naming the fix)."""
+def _checked_after_parsing(*checks):
+    """Inside the block, Megatron-LM's ``parse_args`` runs ``checks`` on what it parsed, before
+    Megatron-LM's validation (which fails on some of the same flags without naming the fix,
+    and sets its global arguments)."""
     import megatron.training.arguments as arguments
 
     original = arguments.parse_args
@@ -223,7 +230,8 @@ def _checked_after_parsing(check):
     @functools.wraps(original)
     def parse_args(*a, **kw):
         args = original(*a, **kw)
-        check(args)
+        for check in checks:
+            check(args)
         return args
 
     arguments.parse_args = parse_args
@@ -280,6 +288,27 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
         f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
         f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
         "--exit-on-missing-checkpoint is set: check the path"
+    )
+
+
+def _holds_a_run(directory: Optional[str]) -> bool:
+    """Whether ``directory`` holds a training run's checkpoints (a tracker or iterations)."""
+    from .checkpoint_guards import TRACKER, saved_iterations
+
+    return bool(directory) and (os.path.isfile(os.path.join(directory, TRACKER)) or bool(saved_iterations(directory)))
+
+
+def check_save_directory(args: argparse.Namespace) -> None:
+    """A ``--save`` that holds a run while ``--load`` names no checkpoint (not given, or a
+    typo) is refused here, nothing built or touched: Megatron-LM would train from scratch and
+    replace that run's iterations as it saves."""
+    if not args.save or args.start_over or not _holds_a_run(args.save) or _holds_a_run(args.load):
+        return
+    given = f"--load {args.load} holds no checkpoint" if args.load else "no --load is given"
+    raise ValueError(
+        f"--save {args.save} holds a run but {given}: resume it with --load {args.save}, save this run elsewhere "
+        "(another --save), or pass --start-over to train from scratch into it (its iterations are replaced "
+        "as this run saves)"
     )
 
 
@@ -405,10 +434,14 @@ def install_argument_layers() -> None:
 
 
 def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Everything before ``pretrain()``: the CPU patches where there is no GPU, a one-process
+    """Everything before ``pretrain()``: child processes tied to this one
+    (``writer_processes``), the CPU patches where there is no GPU, a one-process
     rendezvous for a plain ``python`` launch, our argument layers, then Megatron-LM's parsed
     and validated arguments (set as its global arguments, as ``parse_and_validate_args`` does)."""
+    from .writer_processes import tie_forked_children_to_this_process
+
     argv = sys.argv[1:] if argv is None else list(argv)
+    tie_forked_children_to_this_process()  # checkpoint writers and data workers end with their rank
     cpu.install()
     if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: one process, no launcher
         from megatron_muon.megatron_lm.cpu import set_single_process_rendezvous
@@ -416,6 +449,22 @@ def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         set_single_process_rendezvous()
     install_argument_layers()
     return parse_and_validate(argv)
+
+
+@contextlib.contextmanager
+def checkpoint_errors_as_one_line():
+    """A checkpoint that cannot be loaded (corrupt, unverifiable, saved for another
+    vocabulary padding) ends the job with one line on rank 0 and exit code 1; every rank
+    raises the same error (the checks are collective), so every rank ends."""
+    from megatron_muon.checkpoint import CheckpointError
+    from megatron_muon.integrity import CheckpointIntegrityError
+
+    try:
+        yield
+    except (CheckpointError, CheckpointIntegrityError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def console_main() -> int:

@@ -15,6 +15,7 @@ Each spawned run checks many cases (starting ranks is slow).
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -351,7 +352,9 @@ def test_corrupted_checkpoint_fails_on_every_rank_naming_file_and_tensor(tmp_pat
         assert name in r["bit_flip"] and label in r["bit_flip"] and "contents changed" in r["bit_flip"], r["bit_flip"]
         assert name in r["truncated"] and "truncated" in r["truncated"], r["truncated"]
         assert f"{name}: missing" in r["missing"], r["missing"]
-        assert "no integrity.json" in r["no_manifest"], r["no_manifest"]
+        assert "saved with a manifest (megatron_muon.json says so) but integrity.json is missing" in r["no_manifest"], (
+            r["no_manifest"]
+        )
     # Same message on every rank.
     for key in ("bit_flip", "truncated", "missing", "no_manifest"):
         assert ranks[0][key] == ranks[1][key]
@@ -386,7 +389,10 @@ def _killed_resave(ckpt):
             raise _Killed()
 
     out = {}
-    with mock.patch("os.rename", side_effect=rename_then_die):
+    # The two-rename swap of filesystems that cannot exchange directories atomically.
+    with mock.patch("os.rename", side_effect=rename_then_die), mock.patch(
+        "megatron_muon.checkpoint._exchange", return_value=False
+    ):
         try:
             save_checkpoint(ckpt, model, opt, extra={"iteration": 2})
         except _Killed:
@@ -421,12 +427,29 @@ def test_resave_killed_between_renames_loads_the_last_good_checkpoint(tmp_path):
 # ---------------------------------------------------------------------------------------
 
 
-def _megatron_lm_checkpoints(ckpt_root):
-    """In every rank (2 ranks, DP2): Megatron-LM's save_checkpoint writes the manifest before
-    the tracker; a save killed while hashing leaves the tracker on the previous iteration;
-    load_checkpoint loads a clean checkpoint and refuses a corrupt one on every rank."""
-    import json
+def _tree(root) -> dict:
+    """Every file under ``root``: relative path -> contents."""
     import os
+
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                out[os.path.relpath(os.path.join(dirpath, name), root)] = f.read()
+    return out
+
+
+def _megatron_lm_checkpoints(ckpt_root):
+    """In every rank (2 ranks, DP2), Megatron-LM's own save_checkpoint / load_checkpoint with
+    use_megatron_muon(): each save goes through a staging directory and carries the record
+    and the manifest; a save of the iteration just saved is not repeated; a save killed
+    while hashing, or a re-save killed before its swap, leaves the tracker and the previous
+    copy byte-identical; loading refuses another vocabulary padding, a deleted manifest and
+    a flipped byte (every rank, the same message), and an empty tracker resumes from the
+    newest iteration that verifies."""
+    import io
+    import os
+    from contextlib import redirect_stdout
     from unittest import mock
 
     import megatron.training.arguments as arguments
@@ -435,9 +458,10 @@ def _megatron_lm_checkpoints(ckpt_root):
     import torch.distributed as dist
     from megatron.training import global_vars
 
-    from megatron_muon.integrity import MANIFEST, CheckpointIntegrityError
+    from megatron_muon.checkpoint import CheckpointError
+    from megatron_muon.integrity import MANIFEST, RECORD, CheckpointIntegrityError
+    from megatron_muon.megatron_lm import checkpoint_guards
     from megatron_muon.megatron_lm import integration as I
-    from megatron_muon.megatron_lm import integrity_hooks
     from tests.helpers.megatron_lm import ARGV, parse_and_validate
 
     I.use_megatron_muon()
@@ -448,6 +472,7 @@ def _megatron_lm_checkpoints(ckpt_root):
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size,
                                      args.data_parallel_size)
     spec = M.TinyModelSpec()
+    args.padded_vocab_size = spec.vocab_size  # what Megatron-LM sets once the tokenizer is built
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
     model = training.wrap_model_chunks_with_ddp(
@@ -455,7 +480,7 @@ def _megatron_lm_checkpoints(ckpt_root):
         use_layer_wise_distributed_optimizer=args.use_layer_wise_distributed_optimizer)
     config, overrides = training.get_megatron_optimizer_config(args)
     opt = training.get_megatron_optimizer(config, model, config_overrides=overrides)
-    batches = M.synthetic_batches(spec, 4, 2)
+    batches = M.synthetic_batches(spec, 4, 3)
     assert M.train_step(model, opt, batches[0], 1, spec)[1]
     tracker = checkpointing.get_checkpoint_tracker_filename(ckpt_root)
 
@@ -463,22 +488,54 @@ def _megatron_lm_checkpoints(ckpt_root):
         with open(tracker) as f:
             return f.read().strip()
 
+    def save(iteration):
+        said = io.StringIO()
+        with redirect_stdout(said):
+            checkpointing.save_checkpoint(iteration, model, opt, None, 0)
+        dist.barrier()
+        return said.getvalue()
+
     out = {}
-    checkpointing.save_checkpoint(1, model, opt, None, 0)
+    save(1)
     first = checkpointing.get_checkpoint_name(ckpt_root, 1, return_base_dir=True)
-    with open(os.path.join(first, MANIFEST)) as f:
-        out["manifest_files"] = sorted(json.load(f)["files"])
+    out["manifest_files"] = sorted(json.load(open(os.path.join(first, MANIFEST)))["files"])
+    out["after_save"] = sorted(os.listdir(ckpt_root))
     out["tracker_after_save"] = tracked()
+    saved_1 = _tree(first)
+
+    # The same iteration again, no step since (the rerun state machine's save when it stops).
+    out["again_said"] = save(1)
+    out["again_unchanged"] = _tree(first) == saved_1
 
     # A save that dies while the manifest is written: the tracker stays on iteration 1.
     assert M.train_step(model, opt, batches[1], 1, spec)[1]
-    with mock.patch.object(integrity_hooks, "write_manifest", side_effect=_Killed()):
+    with mock.patch.object(checkpoint_guards, "write_manifest", side_effect=_Killed()):
         try:
-            checkpointing.save_checkpoint(2, model, opt, None, 0)
+            save(2)
         except _Killed:
             out["killed"] = True
     dist.barrier()
     out["tracker_after_killed_save"] = tracked()
+
+    # A re-save of iteration 1 with other state (as after --ckpt-step), killed just before
+    # its swap: iteration 1 byte-identical; then completed: replaced, and it verifies.
+    checkpointing.dist_checkpointing._guards.current = None
+
+    real_verify = checkpoint_guards.verify_manifest
+
+    def verify_then_die(*a, **kw):  # every rank, after the new copy verified, before the swap
+        real_verify(*a, **kw)
+        raise _Killed()
+
+    with mock.patch.object(checkpoint_guards, "verify_manifest", verify_then_die):
+        try:
+            save(1)
+        except _Killed:
+            out["resave_killed"] = True
+    dist.barrier()
+    out["resave_killed_kept"] = _tree(first) == saved_1
+    save(1)
+    out["resave_replaced"] = _tree(first) != saved_1 and RECORD in _tree(first)
 
     # An asynchronous save: the manifest comes with the finalize steps, after the writes.
     from megatron.core.utils import unwrap_model
@@ -486,7 +543,6 @@ def _megatron_lm_checkpoints(ckpt_root):
     from megatron_muon.integrity import has_manifest, verify_manifest
 
     async_dir = os.path.join(ckpt_root, "async")
-    os.makedirs(async_dir, exist_ok=True)
     dist.barrier()
     request = checkpointing.dist_checkpointing.save(
         {"model": unwrap_model(model)[0].sharded_state_dict()}, async_dir, async_sharded_save=True,
@@ -496,18 +552,35 @@ def _megatron_lm_checkpoints(ckpt_root):
     verify_manifest(async_dir)
     out["async_manifest_after"] = has_manifest(async_dir)
 
-    # Clean load of iteration 1 (the tracker's).
-    out["loaded_iteration"] = checkpointing.load_checkpoint(model, opt, None)[0]
-    # Bit flip in the middle of one data file: every rank fails, naming it.
+    def attempt_load() -> str:
+        said = io.StringIO()
+        try:
+            with redirect_stdout(said):
+                return f"loaded {checkpointing.load_checkpoint(model, opt, None)[0]}: {said.getvalue()}"
+        except (CheckpointError, CheckpointIntegrityError) as e:
+            return str(e)
+
+    out["clean"] = attempt_load()
+    args.padded_vocab_size += 64
+    out["vocabulary"] = attempt_load()
+    args.padded_vocab_size -= 64
     if dist.get_rank() == 0:
+        with open(tracker, "w"):
+            pass  # what Megatron-LM's open-with-truncate left when killed
+    dist.barrier()
+    out["empty_tracker"] = attempt_load()
+    if dist.get_rank() == 0:
+        with open(tracker, "w") as f:
+            f.write("1")
+        os.rename(os.path.join(first, MANIFEST), os.path.join(ckpt_root, "moved"))
+    dist.barrier()
+    out["no_manifest"] = attempt_load()
+    if dist.get_rank() == 0:
+        os.rename(os.path.join(ckpt_root, "moved"), os.path.join(first, MANIFEST))
         name = "__1_0.distcp"
         _flip_byte(os.path.join(first, name), os.path.getsize(os.path.join(first, name)) // 2)
     dist.barrier()
-    try:
-        checkpointing.load_checkpoint(model, opt, None)
-        out["corrupt"] = "loaded"
-    except CheckpointIntegrityError as e:
-        out["corrupt"] = str(e)
+    out["corrupt"] = attempt_load()
     return out
 
 
@@ -516,12 +589,19 @@ def test_megatron_lm_save_and_load_checkpoint_carry_the_manifest(tmp_path):
     pytest.importorskip("megatron.training")
     ranks = run_distributed(_megatron_lm_checkpoints, 2, str(tmp_path / "ckpts"), timeout_s=280)
     for r in ranks:
-        assert "__0_0.distcp" in r["manifest_files"] and ".metadata" in r["manifest_files"], r["manifest_files"]
-        assert r["tracker_after_save"] == "1"
+        assert "__0_0.distcp" in r["manifest_files"] and "megatron_muon.json" in r["manifest_files"]
+        assert r["after_save"] == ["iter_0000001", "latest_checkpointed_iteration.txt"], r["after_save"]
+        assert r["tracker_after_save"] == "1" and r["again_unchanged"]
         assert r["killed"] and r["tracker_after_killed_save"] == "1"
+        assert r["resave_killed"] and r["resave_killed_kept"] and r["resave_replaced"]
         assert not r["async_manifest_before_writes"] and r["async_manifest_after"]
-        assert r["loaded_iteration"] == 1
+        assert r["clean"].startswith("loaded 1"), r["clean"]
+        assert "padded to" in r["vocabulary"] and "--make-vocab-size-divisible-by" in r["vocabulary"], r["vocabulary"]
+        assert r["empty_tracker"].startswith("loaded 1"), r["empty_tracker"]
+        assert "saved with a manifest" in r["no_manifest"], r["no_manifest"]
         assert "__1_0.distcp: contents changed" in r["corrupt"], r["corrupt"]
+    assert "already holds this iteration" in ranks[0]["again_said"]
+    assert "resuming from iter_0000001, the newest iteration that verifies" in ranks[0]["empty_tracker"]
     assert ranks[0]["corrupt"] == ranks[1]["corrupt"]
 
 

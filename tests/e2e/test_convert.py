@@ -246,33 +246,44 @@ def test_wrong_kind_and_truncated(tmp_path):
     assert ".distcp" in out["truncated"] and "truncated" in out["truncated"], out["truncated"]
 
 
-def test_inspect_cli_and_experts_cli(tmp_path):
+def test_inspect_cli_and_experts_cli(tmp_path, capsys):
+    """The command line's experts conversion both ways and an inspect of a non-checkpoint
+    (tools/convert_checkpoint.py's main, in this process: torch files, no process group)."""
+    from megatron_muon.megatron_lm.convert import main
+
     E, h, f = 2, 4, 3
     w1, w2 = torch.randn(h, E * 2 * f), torch.randn(E * f, h)
     src, seq, back = tmp_path / "legacy.pt", tmp_path / "seq.pt", tmp_path / "back.pt"
     torch.save({"model": {"decoder.layers.0.mlp.experts.weight1": w1, "decoder.layers.0.mlp.experts.weight2": w2}}, src)
-    run = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
-    subprocess.run(run + ["experts", str(src), str(seq), "--to", "sequential", "--num-experts", str(E)], check=True)
-    subprocess.run(run + ["experts", str(seq), str(back), "--to", "legacy_grouped"], check=True)
+    main(["experts", str(src), str(seq), "--to", "sequential", "--num-experts", str(E)])
+    main(["experts", str(seq), str(back), "--to", "legacy_grouped"])
     restored = torch.load(back)["model"]
     assert torch.equal(restored["decoder.layers.0.mlp.experts.weight1"], w1)
     assert torch.equal(restored["decoder.layers.0.mlp.experts.weight2"], w2)
-    bad = subprocess.run(run + ["inspect", str(tmp_path)], capture_output=True, text=True)
-    assert bad.returncode == 2 and "error:" in bad.stderr
+    capsys.readouterr()
+    code, err = _in_process("inspect", str(tmp_path), capsys=capsys)
+    assert code == 2 and "error:" in err
 
 
-def test_experts_says_which_format_it_needs(tmp_path):
-    run = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "experts"]
+def test_experts_says_which_format_it_needs(tmp_path, capsys):
     listed = tmp_path / "listed.pt"
     torch.save({"model": [torch.zeros(2)]}, listed)
     for src, says in ((tmp_path, "is a directory. torch_dist checkpoints"), (listed, "is a list, not a state dict")):
-        done = subprocess.run(
-            run + [str(src), str(tmp_path / "out.pt"), "--to", "sequential", "--num-experts", "2"],
-            capture_output=True,
-            text=True,
+        code, err = _in_process(
+            "experts", str(src), str(tmp_path / "out.pt"), "--to", "sequential", "--num-experts", "2", capsys=capsys
         )
-        assert done.returncode == 2 and says in done.stderr, done.stderr[-2000:]
+        assert code == 2 and says in err, err
     assert not (tmp_path / "out.pt").exists()
+
+
+def _in_process(*args: str, capsys) -> tuple:
+    """tools/convert_checkpoint.py's command line in this process, for what it refuses
+    before writing anything: (exit code, stderr)."""
+    from megatron_muon.megatron_lm.convert import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    return exit_.value.code, capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------
@@ -401,7 +412,7 @@ def test_driver_checkpoints_convert_and_resume_both_ways(driver_checkpoints, tmp
     assert wrong.returncode == 2 and "adam-to-muon" in wrong.stderr and not (tmp_path / "again").exists()
 
 
-def test_converter_never_loses_data(driver_checkpoints, tmp_path):
+def test_converter_never_loses_data(driver_checkpoints, tmp_path, capsys):
     """Issue 13's reproduction (``muon-to-adam CKPT/iter_0000006 CKPT`` erased CKPT) and its
     relatives: refused with exit code 2, every file of CKPT unchanged."""
     import shutil
@@ -415,16 +426,16 @@ def test_converter_never_loses_data(driver_checkpoints, tmp_path):
         (ckpt, ckpt / "converted"),
         (ckpt / "iter_0000006", ckpt / "iter_0000006"),
     ):
-        done = converter("muon-to-adam", str(src), str(dst))
-        assert done.returncode == 2 and "the source" in done.stderr, (src, dst, done.stderr[-2000:])
+        code, err = _in_process("muon-to-adam", str(src), str(dst), capsys=capsys)
+        assert code == 2 and "the source" in err, (src, dst, err[-2000:])
         assert tree(ckpt) == before
     # An existing destination iteration is refused unless --overwrite; other files are kept.
     out = tmp_path / "adam"
     assert converter("muon-to-adam", str(ckpt), str(out)).returncode == 0
     (out / "mine.txt").write_text("the user's")
     first = tree(out)
-    refused = converter("muon-to-adam", str(ckpt), str(out))
-    assert refused.returncode == 2 and "--overwrite" in refused.stderr and tree(out) == first
+    code, err = _in_process("muon-to-adam", str(ckpt), str(out), capsys=capsys)
+    assert code == 2 and "--overwrite" in err and tree(out) == first
     assert converter("muon-to-adam", str(ckpt), str(out), "--overwrite").returncode == 0
     assert (out / "mine.txt").read_text() == "the user's" and sorted(os.listdir(out)) == [
         "iter_0000006",
@@ -432,6 +443,43 @@ def test_converter_never_loses_data(driver_checkpoints, tmp_path):
         "mine.txt",
     ]
     assert tree(ckpt) == before
+
+
+def test_converter_keeps_the_tracker_and_refuses_unverified_sources(driver_checkpoints, tmp_path, capsys):
+    """The destination's tracker never moves back without --overwrite; a source without its
+    manifest is refused (always when it was saved with one), converted with
+    --unverified-source and then labelled so; an unwritable destination is one line."""
+    import shutil
+
+    from megatron_muon.integrity import MANIFEST, RECORD, source_verified
+
+    muon = tmp_path / "muon"
+    shutil.copytree(driver_checkpoints / "muon", muon)  # tracker: 6
+    before = tree(muon)
+    code, err = _in_process("adam-to-muon", str(driver_checkpoints / "adam"), str(muon), capsys=capsys)
+    assert code == 2 and "names iteration 6, later than the converted 4" in err and "--overwrite" in err, err
+    assert tree(muon) == before
+    assert converter("adam-to-muon", str(driver_checkpoints / "adam"), str(muon), "--overwrite").returncode == 0
+    assert (muon / "latest_checkpointed_iteration.txt").read_text() == "4" and (muon / "iter_0000006").is_dir()
+
+    adam = tmp_path / "adam" / "iter_0000004"
+    shutil.copytree(driver_checkpoints / "adam" / "iter_0000004", adam)
+    (adam / MANIFEST).unlink()
+    code, err = _in_process("adam-to-muon", str(adam), str(tmp_path / "out"), capsys=capsys)
+    assert code == 2 and "saved with a manifest" in err and not (tmp_path / "out").exists(), err
+    (adam / RECORD).unlink()  # as plain Megatron-LM saves it
+    code, err = _in_process("adam-to-muon", str(adam), str(tmp_path / "out"), capsys=capsys)
+    assert code == 2 and "--unverified-source" in err and not (tmp_path / "out").exists(), err
+    done = converter("adam-to-muon", str(adam), str(tmp_path / "out"), "--unverified-source")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not source_verified(str(tmp_path / "out" / "iter_0000004"))
+
+    (tmp_path / "a_file").write_text("")
+    code, err = _in_process(
+        "muon-to-adam", str(driver_checkpoints / "muon"), str(tmp_path / "a_file" / "dst"), capsys=capsys
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "a_file" in lines[0] and "Traceback" not in err, err
 
 
 KILLED_DURING_WRITE = """

@@ -83,13 +83,27 @@ def validation(stdout: str) -> Dict[int, float]:
     return {int(m.group(1)): float(m.group(2)) for m in VALID.finditer(stdout)}
 
 
-def tensors_finite(path: Path) -> bool:
-    """Every floating-point tensor of a torch_dist checkpoint is finite (read in a fresh process)."""
-    code = (
-        "import sys, torch; from megatron_muon.megatron_lm.convert import read_checkpoint; c = read_checkpoint(sys.argv[1]); "
-        "print(all(torch.isfinite(t).all() for t in c.tensors.values() if t.is_floating_point()))"
-    )
-    return run([sys.executable, "-c", code, str(path)]).strip().splitlines()[-1] == "True"
+CHECKPOINT_FACTS = """
+import json, sys, torch
+from megatron_muon.integrity import has_manifest
+from megatron_muon.megatron_lm.convert import read_checkpoint
+out = {}
+for path in sys.argv[1:]:
+    c = read_checkpoint(path)  # verifies the manifest
+    bias = [t.tolist() for k, t in sorted(c.tensors.items()) if k.endswith("expert_bias")]
+    finite = all(bool(torch.isfinite(t).all()) for t in c.tensors.values() if t.is_floating_point())
+    out[path] = dict(manifest=has_manifest(path), finite=finite, expert_bias=bias)
+print(json.dumps(out))
+"""
+
+
+def checkpoint_facts(paths: List[Path]) -> Dict[str, dict]:
+    """For each torch_dist checkpoint (read in one fresh process, each verified against its
+    manifest): whether it has its manifest, whether every floating-point tensor is finite,
+    and the routers' expert biases."""
+    import json
+
+    return json.loads(run([sys.executable, "-c", CHECKPOINT_FACTS, *map(str, paths)]).strip().splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,19 +335,33 @@ BAD_INPUT = [
         ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
         "check `assert args.save_interval is not None` failed",
     ),
+    # a --save holding a run, and no checkpoint to --load: Megatron-LM would train from scratch over it
+    (["--recipe", "tiny_gqa", "--save", "{run}", "--save-interval", "1"], "holds a run but no --load is given"),
+    (
+        ["--recipe", "tiny_gqa", "--load", "{run}_typo", "--save", "{run}", "--save-interval", "1"],
+        "_typo holds no checkpoint: resume it with --load",
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
-def bad_input_results() -> Dict[str, List]:
+def bad_input_results(tmp_path_factory) -> Dict[str, List]:
     """Every case of BAD_INPUT through the main job's start-up, in one process
-    (tests.helpers.bad_input); the unknown recipe also as a user launches it."""
+    (tests.helpers.bad_input), ``{run}`` standing for a directory that holds a run (its
+    files must come through unchanged)."""
     import json
 
+    held = tmp_path_factory.mktemp("held") / "run"
+    (held / "iter_0000003").mkdir(parents=True)
+    (held / "iter_0000003" / "common.pt").write_bytes(b"weeks of training")
+    (held / "latest_checkpointed_iteration.txt").write_text("3")
+    before = {p: p.read_bytes() for p in held.rglob("*") if p.is_file()}
     argvs = [case.values[0] if hasattr(case, "values") else case[0] for case in BAD_INPUT]
-    proc = subprocess.run([sys.executable, "-m", "tests.helpers.bad_input"], input=json.dumps(argvs), cwd=ROOT,
+    given = [[a.replace("{run}", str(held)) for a in argv] for argv in argvs]
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.bad_input"], input=json.dumps(given), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in held.rglob("*") if p.is_file()} == before
     return {" ".join(argv): result for argv, result in zip(argvs, json.loads(proc.stdout))}
 
 
@@ -365,21 +393,11 @@ def test_train_samples_overrides_the_recipes_iterations(cache):
     assert re.search(r"lr_warmup_samples \.+ 16$", stdout, re.M) and re.search(r"train_samples \.+ 24$", stdout, re.M)
 
 
-def test_console_script_runs_the_tool():
-    """``megatron-muon-pretrain`` (setup.py's entry point) runs tools/pretrain_gpt.py."""
-    code = (
-        "import sys; from megatron_muon.megatron_lm.launch import console_main; "
-        "sys.argv = ['megatron-muon-pretrain', '--recipe', 'no_such_recipe']; console_main()"
-    )
-    proc = launch([sys.executable, "-c", code], timeout=120)
-    last = proc.stderr.strip().splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("pretrain_gpt.py: error: unknown recipe"), proc.stderr[-2000:]
-
-
 def test_help_lists_every_flag():
     """``--help`` rc 0 with Megatron-LM's flags and ours (megatron-core 0.19.2's own help
     text for one flag has a bare "%", which made argparse fail before anything was shown);
-    ``-h`` through the console script too."""
+    ``-h`` through the console script (setup.py's ``megatron-muon-pretrain``, which runs
+    tools/pretrain_gpt.py) too."""
     proc = launch(PRETRAIN + ["--help"], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     for option in ("--moe-paged-stash-buffer-size-factor-cuda", "--muon-impl", "--recipe", "--muon-ns-max-ranks"):
@@ -469,7 +487,8 @@ def test_megatron_lm_example_launch_line(tmp_path):
 def test_non_finite_step_exits_non_zero_and_latest_stays_finite(cache, tmp_path, optimizer):
     """A learning rate that blows the weights up: Megatron-LM's NaN check
     (--check-for-nan-in-loss-and-grad, on by default) stops the job with a non-zero code;
-    every checkpoint on disk, "latest" included, is finite."""
+    every checkpoint on disk, "latest" included, is finite and verifies, and the last one
+    is not saved again when the job stops (every iteration saves)."""
     ckpt = tmp_path / "ckpt"
     proc = launch(
         PRETRAIN
@@ -491,13 +510,111 @@ def test_non_finite_step_exits_non_zero_and_latest_stays_finite(cache, tmp_path,
             "--save",
             str(ckpt),
             "--save-interval",
-            "2",
+            "1",
         ]
     )
     assert proc.returncode != 0 and "found NaN" in proc.stdout + proc.stderr, proc.stdout[-2000:]
     latest = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert latest < 8 and (ckpt / f"iter_{latest:07d}").is_dir()
-    assert all(tensors_finite(d) for d in ckpt.glob("iter_*"))
+    assert f"iter_{latest:07d} already holds this iteration" in proc.stdout, proc.stdout[-3000:]
+    facts = checkpoint_facts(sorted(ckpt.glob("iter_*")))
+    assert all(f["manifest"] and f["finite"] for f in facts.values()), facts
+
+
+def test_a_skipped_step_leaves_the_router_expert_bias(cache, tmp_path):
+    """Without Megatron-LM's NaN check the job goes on and skips every non-finite step; the
+    router's expert bias (tiny_moe_mla balances with it) stays where the last taken step
+    left it, as every other weight does."""
+    ckpt = tmp_path / "ckpt"
+    stdout = run(short_run("tiny_moe_mla", cache, "--lr", "1e30", "--min-lr", "1e29", "--no-check-for-nan-in-loss-and-grad",
+                           "--save", str(ckpt), "--save-interval", "1", iterations=5))  # fmt: skip
+    skipped = [int(m) for m in re.findall(r"number of skipped iterations:\s+(\d+)", stdout)]
+    assert skipped[-2:] == [1, 1], stdout[-3000:]  # the last two iterations were skipped
+    facts = checkpoint_facts([ckpt / f"iter_{i:07d}" for i in (3, 4, 5)])
+    biases = [f["expert_bias"] for f in facts.values()]
+    assert biases[0] and biases[1] == biases[2], biases
+
+
+def _tagged(tag: str) -> List[int]:
+    """Processes whose environment carries ``tag`` (a job and everything it started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if tag.encode() in f.read():
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int) -> List[int]:
+    """Start ``cmd``; once the tracker names iteration ``after`` or later, SIGKILL the launcher
+    and its ranks at a random moment (every iteration saves) and return whatever of the job
+    is still alive a moment later. The process group is killed afterwards either way."""
+    import random
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", MUON_TEST_JOB=tag)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 180
+        while not (tracker.is_file() and tracker.read_text().strip().isdigit() and int(tracker.read_text()) >= after):
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
+            time.sleep(0.05)
+        time.sleep(random.uniform(0.0, 0.5))
+        job = [proc.pid] + [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
+        for pid in job:  # the launcher and the ranks, as a scheduler's kill of the job's processes
+            os.kill(pid, signal.SIGKILL)
+        proc.wait()
+        time.sleep(3.0)
+        return _tagged(tag)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.timeout(600)
+def test_killed_job_leaves_no_process_and_resumes_from_its_tracker(cache, tmp_path):
+    """SIGKILL of a two-rank job (launcher and ranks) at random moments while it saves every
+    iteration, twice: none of its processes is left (checkpoint writers die with their
+    rank) and the tracker always names a complete checkpoint, which the next job resumes
+    from. Loaded at TP2 (another vocabulary padding), and with a byte flipped, it stops the
+    job with one line on rank 0."""
+    ckpt = tmp_path / "ckpt"
+    job = TWO_RANKS + "--recipe tiny_gqa --train-iters 60 --lr-warmup-iters 0 --eval-iters 0".split() + [
+        "--data-cache-path", str(cache), "--save", str(ckpt), "--save-interval", "1"]  # fmt: skip
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    for round_, after in enumerate((2, 5)):
+        left = _kill_during_saves(
+            job + (["--load", str(ckpt)] if round_ else []), tracker, f"kill-{os.getpid()}-{round_}", after
+        )
+        assert not left, f"round {round_}: processes of the killed job still running: {left}"
+        latest = int(tracker.read_text())
+        assert (ckpt / f"iter_{latest:07d}" / "integrity.json").is_file()
+    resumed = run(job + ["--exit-interval", str(latest + 1), "--load", str(ckpt)], timeout=300)
+    assert f"at iteration {latest}" in resumed and sorted(losses(resumed)) == [latest + 1], resumed[-2000:]
+    # Loaded at TP2, the vocabulary pads to more rows (the recipe's multiple x TP): refused.
+    tp2 = launch(job + ["--exit-interval", str(latest + 2), "--load", str(ckpt), "--tensor-model-parallel-size", "2"],
+                 timeout=300)  # fmt: skip
+    ours = [line for line in tp2.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert tp2.returncode != 0 and len(ours) == 1 and "--make-vocab-size-divisible-by" in ours[0], tp2.stderr[-3000:]
+    assert int(tracker.read_text()) == latest + 1
+    data = sorted((ckpt / f"iter_{latest + 1:07d}").glob("*.distcp"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    proc = launch(job + ["--exit-interval", str(latest + 2), "--load", str(ckpt)], timeout=300)
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert proc.returncode != 0 and len(ours) == 1, proc.stderr[-3000:]
+    # one line, no traceback of a rank (torchrun still reports the failed ranks its own way)
+    assert f"{data.name}: contents changed" in ours[0] and "CheckpointIntegrityError" not in proc.stderr, proc.stderr[
+        -3000:
+    ]
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,385 @@
+"""Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint``, with nothing lost on the way.
+
+Saving an iteration (``dist_checkpointing.save`` as Megatron-LM's checkpointing module sees
+it, :class:`GuardedDistCheckpointing`):
+
+1. every rank writes into ``iter_N.tmp`` next to the target, never into ``iter_N``;
+2. once all have written, the manifest (``megatron_muon.integrity``) is written last;
+3. rank 0 swaps the directory into place (``megatron_muon.checkpoint.swap_into_place``): an
+   existing ``iter_N`` is replaced in one atomic exchange, after the new copy verified;
+4. Megatron-LM then writes its tracker, through :class:`AtomicTrackerWrites` (temporary
+   file, fsync, rename), so a kill never leaves it empty.
+
+A save of the iteration this job last saved or loaded, with no step since (the rerun state
+machine's save when it stops on a NaN), keeps the existing checkpoint as it is.
+
+Loading (``load_checkpoint``, :func:`_wrap_load_checkpoint`): rank 0 first undoes what an
+interrupted swap left and, when the tracker is empty, unreadable or missing beside saved
+iterations, picks the newest iteration whose manifest verifies and says so; every rank
+loads that one. Each directory is verified before its first read (one saved with a manifest
+that is gone is refused), and a checkpoint whose padded vocabulary differs from this run's
+is refused, naming ``--make-vocab-size-divisible-by``. docs/design.md ("Inside
+Megatron-LM") says where each hooks in; :func:`checkpoint_patches` returns them in the form
+``use_megatron_muon`` installs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch.distributed as dist
+
+from megatron_muon.checkpoint import CheckpointError, recover_interrupted_swap, swap_into_place
+from megatron_muon.integrity import (
+    MANIFEST,
+    CheckpointIntegrityError,
+    has_manifest,
+    missing_manifest_error,
+    saved_with_manifest,
+    source_verified,
+    verify_manifest,
+    write_atomically,
+    write_manifest,
+)
+
+logger = logging.getLogger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _say(line: str) -> None:
+    if _rank0():
+        print(f"megatron_muon: {line}", flush=True)
+
+
+def _same(a: Optional[str], b: Optional[str]) -> bool:
+    return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
+
+
+class CheckpointGuards:
+    """What the save and load hooks share: the directory this job last saved or loaded (a
+    save of it again, with no step since, is not repeated) and the manifest verified by the
+    first of Megatron-LM's two reads of a directory."""
+
+    def __init__(self) -> None:
+        self.current: Optional[str] = None
+        self.verified: Optional[Tuple[str, int, int]] = None
+        self.resume_iteration: Optional[int] = None
+        """Set while ``load_checkpoint`` loads the iteration chosen in place of the tracker's."""
+
+
+# ---------------------------------------------------------------------------------------
+# Save
+# ---------------------------------------------------------------------------------------
+
+
+class GuardedDistCheckpointing:
+    """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing module sees it:
+    everything is Megatron-core's, except that ``save`` writes into a staging directory and
+    swaps it into place with its manifest (module docstring, steps 1-3)."""
+
+    def __init__(self, package: Any, guards: CheckpointGuards) -> None:
+        self.__wrapped__ = package
+        self._guards = guards
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        """Megatron-core's ``save`` into ``<checkpoint_dir>.tmp``, then (collectively) the
+        manifest and the swap into place; for an async save these run as its first finalize
+        step, before Megatron-LM's own that moves the tracker."""
+        target = str(checkpoint_dir).rstrip("/")
+        if _same(target, self._guards.current) and has_manifest(target):
+            _say(f"{target} already holds this iteration (saved or loaded by this job, no step since): kept as it is")
+            return None
+        if "verify_integrity" in kwargs:
+            kwargs["verify_integrity"] = False  # our manifest replaces Megatron's rank-0 one
+        staging = target + ".tmp"
+        if _rank0():
+            shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
+            os.makedirs(staging)
+        dist.barrier()
+        request = self.__wrapped__.save(sharded_state_dict, staging, *args, **kwargs)
+
+        def finish() -> None:
+            replacing = os.path.isdir(target) and bool(os.listdir(target))  # before anyone swaps
+            write_manifest(staging)  # collective; ends with a barrier
+            if replacing:
+                verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
+            if _rank0():
+                swap_into_place(staging, target)
+            dist.barrier()
+            self._guards.current = target
+
+        if request is None:
+            finish()
+        else:
+            request.add_finalize_fn(finish)
+        return request
+
+
+class _AtomicFile:
+    """A text file opened for writing whose contents replace ``path`` at once on close."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._parts = path, []
+
+    def write(self, text: str) -> int:
+        self._parts.append(text)
+        return len(text)
+
+    def __enter__(self) -> "_AtomicFile":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            write_atomically(self.path, "".join(self._parts))
+
+
+class AtomicTrackerWrites:
+    """Megatron-core's ``maybe_msc`` as Megatron-LM's checkpointing module sees it, except
+    that opening the tracker for writing gives a file that replaces it atomically on close."""
+
+    def __init__(self, wrapped: Any) -> None:
+        self.__wrapped__ = wrapped
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__wrapped__, name)
+
+    def open(self, path, mode: str = "r", *args, **kwargs):
+        opener = self.__wrapped__.open
+        if "w" in mode and os.path.basename(str(path)) == TRACKER and opener is open:  # local files only
+            return _AtomicFile(str(path))
+        return opener(path, mode, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------
+# Load
+# ---------------------------------------------------------------------------------------
+
+
+def saved_iterations(directory: str) -> List[int]:
+    """The iterations of ``directory``'s ``iter_NNNNNNN`` directories, newest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = (_ITERATION_DIR.match(name) for name in os.listdir(directory))
+    return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
+def read_tracker(directory: str) -> Optional[str]:
+    """What ``directory``'s tracker names (an iteration, or ``release``); None when it is
+    missing, empty or anything else."""
+    try:
+        with open(os.path.join(directory, TRACKER)) as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text.isdigit() or text == "release" else None
+
+
+def _newest_verified(directory: str) -> Optional[int]:
+    for iteration in saved_iterations(directory):
+        try:
+            verify_manifest(os.path.join(directory, f"iter_{iteration:07d}"), local=True)
+        except CheckpointIntegrityError:
+            continue
+        return iteration
+    return None
+
+
+def repair_load_directory(directory: str, choose: bool = True) -> Optional[int]:
+    """On rank 0, before anything is loaded: undo what interrupted saves of ours left in
+    ``directory`` (a swap's ``iter_N.old``, a staging ``iter_N.tmp``); with ``choose``, when
+    its tracker is unreadable (or missing beside saved iterations) return the newest
+    iteration that verifies (one line says so), else None (the tracker is fine, or nothing
+    was saved)."""
+    if not os.path.isdir(directory):
+        return None
+    for name in sorted(os.listdir(directory)):
+        match = re.match(r"^(iter_\d{7})\.(old|tmp)$", name)
+        if match and match.group(2) == "old":
+            done = recover_interrupted_swap(os.path.join(directory, match.group(1)))
+            if done:
+                _say(done)
+        elif match:
+            shutil.rmtree(os.path.join(directory, name))
+            _say(f"removed {os.path.join(directory, name)}, left by an interrupted save")
+    tracker = os.path.join(directory, TRACKER)
+    if not choose or read_tracker(directory) is not None or not saved_iterations(directory):
+        return None
+    newest = _newest_verified(directory)
+    what = "is missing" if not os.path.exists(tracker) else "is empty or unreadable"
+    if newest is None:
+        raise CheckpointError(
+            f"{tracker} {what} and no iteration in {directory} verifies against its manifest: nothing to resume "
+            "from; check the directory, or start a new run with another --save"
+        )
+    _say(f"{tracker} {what}: resuming from iter_{newest:07d}, the newest iteration that verifies")
+    return newest
+
+
+def _broadcast(value):
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _wrap_load_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
+    def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *a, **kw):
+        from megatron.training import get_args
+
+        args = get_args()
+        directory = getattr(args, load_arg, None)
+        if not directory or not dist.is_initialized():
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
+        chosen, error = None, None
+        if _rank0():
+            try:
+                chosen = repair_load_directory(directory, choose=args.ckpt_step is None)
+            except CheckpointError as e:
+                error = str(e)
+        chosen, error = _broadcast((chosen, error))
+        if error:
+            raise CheckpointError(error)
+        given = args.ckpt_step
+        guards.resume_iteration = given if given is not None else chosen
+        args.ckpt_step = guards.resume_iteration  # Megatron-LM reads no tracker then, present or not
+        try:
+            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
+        finally:
+            guards.resume_iteration, args.ckpt_step = None, given
+
+    load_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_checkpoint
+
+
+def _wrap_read_metadata(original: Callable, guards: CheckpointGuards) -> Callable:
+    def read_metadata(tracker_filename):
+        if guards.resume_iteration is not None:
+            return guards.resume_iteration, False
+        if read_tracker(os.path.dirname(str(tracker_filename))) is None:
+            text = open(tracker_filename, errors="replace").read().strip()
+            # Megatron-LM's own answer is sys.exit() with status 0: a "finished" job that trained nothing.
+            raise CheckpointError(
+                f"{tracker_filename} is empty or unreadable ({text[:40]!r}): name the iteration to load "
+                "with --ckpt-step"
+            )
+        return original(tracker_filename)
+
+    read_metadata.__wrapped__ = original  # type: ignore[attr-defined]
+    return read_metadata
+
+
+def verify_before_read(checkpoint_dir: str, first_read: bool, guards: CheckpointGuards) -> None:
+    """Verify ``checkpoint_dir`` (collectively) before Megatron-LM reads it.
+
+    Megatron-LM reads a torch_dist checkpoint twice, the common state (``first_read``) and
+    then the tensors; the second read skips the hashing if the manifest verified by the first
+    is unchanged. Before the process group exists (Megatron-LM reading the checkpoint's
+    arguments) nothing is checked."""
+    if not dist.is_initialized():
+        return
+    checkpoint_dir = str(checkpoint_dir)
+    if not has_manifest(checkpoint_dir):
+        if saved_with_manifest(checkpoint_dir):
+            raise missing_manifest_error(checkpoint_dir)
+        _say(f"warning: {checkpoint_dir} has no {MANIFEST}: loading it unverified (saved without megatron_muon)")
+        return
+    stat = os.stat(os.path.join(checkpoint_dir, MANIFEST))
+    stamp = (os.path.abspath(checkpoint_dir), stat.st_mtime_ns, stat.st_size)
+    if not first_read and guards.verified == stamp:
+        return
+    verify_manifest(checkpoint_dir)
+    if not source_verified(checkpoint_dir):
+        _say(f"warning: {checkpoint_dir} was converted from a checkpoint that had no manifest (unverified source)")
+    guards.verified = stamp if first_read else None
+
+
+def check_padded_vocabulary(common: Any, checkpoint_dir: str) -> None:
+    """Refuse a checkpoint whose embedding rows were padded to another count than this run's
+    (Megatron-LM would load the rows it finds, shifted against the shards: a silent wrong
+    load)."""
+    from megatron.training import get_args
+
+    saved_args = common.get("args") if isinstance(common, dict) else None
+    saved = getattr(saved_args, "padded_vocab_size", None)
+    args = get_args()
+    now = getattr(args, "padded_vocab_size", None)
+    if saved is None or now is None or saved == now:
+        return
+    tp = args.tensor_model_parallel_size
+    hint = (
+        f"--make-vocab-size-divisible-by {saved // tp} pads it alike at TP{tp}"
+        if saved % tp == 0
+        else f"no --make-vocab-size-divisible-by pads {saved} rows at TP{tp}: load at a TP size dividing {saved}"
+    )
+    raise CheckpointError(
+        f"{checkpoint_dir} was saved with the vocabulary padded to {saved} rows "
+        f"(--make-vocab-size-divisible-by {getattr(saved_args, 'make_vocab_size_divisible_by', '?')} x "
+        f"TP{getattr(saved_args, 'tensor_model_parallel_size', '?')}), this run pads it to {now}: {hint}"
+    )
+
+
+def _wrap_load_global_dist_base_checkpoint(
+    original: Callable, checkpointing: Any, guards: CheckpointGuards
+) -> Callable:
+    def load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kw):
+        checkpoint_dir = checkpointing.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
+        verify_before_read(checkpoint_dir, first_read=bool(rank0), guards=guards)
+        out = original(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kw)
+        if rank0 and dist.is_initialized():
+            check_padded_vocabulary(out[0], checkpoint_dir)
+        if not rank0:
+            guards.current = str(checkpoint_dir).rstrip("/")
+        return out
+
+    load_global_dist_base_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_global_dist_base_checkpoint
+
+
+# ---------------------------------------------------------------------------------------
+# Installation
+# ---------------------------------------------------------------------------------------
+
+
+def checkpoint_patches(training: Optional[Any] = None) -> List[Tuple[Any, str, Any, Any]]:
+    """``(module, name, original, wrapper)`` for the save and load points of Megatron-LM's
+    ``megatron.training.checkpointing`` and ``training.load_checkpoint`` (empty when
+    Megatron-LM is not importable), and Megatron-core's writer processes
+    (``writer_processes``)."""
+    try:
+        import megatron.training.checkpointing as checkpointing
+    except ImportError:
+        return []
+    from .writer_processes import writer_process_patches
+
+    guards = CheckpointGuards()
+    patches = list(writer_process_patches())
+    package = checkpointing.dist_checkpointing
+    if not isinstance(package, GuardedDistCheckpointing):
+        patches.append((checkpointing, "dist_checkpointing", package, GuardedDistCheckpointing(package, guards)))
+    msc = checkpointing.maybe_msc
+    if not isinstance(msc, AtomicTrackerWrites):
+        patches.append((checkpointing, "maybe_msc", msc, AtomicTrackerWrites(msc)))
+    load = checkpointing._load_global_dist_base_checkpoint
+    if not hasattr(load, "__megatron_muon_undo__"):
+        wrapper = _wrap_load_global_dist_base_checkpoint(load, checkpointing, guards)
+        patches.append((checkpointing, "_load_global_dist_base_checkpoint", load, wrapper))
+    read = checkpointing.read_metadata
+    if not hasattr(read, "__megatron_muon_undo__"):
+        patches.append((checkpointing, "read_metadata", read, _wrap_read_metadata(read, guards)))
+    for module in (checkpointing, training):
+        load = getattr(module, "load_checkpoint", None) if module is not None else None
+        if load is not None and not hasattr(load, "__megatron_muon_undo__"):
+            patches.append((module, "load_checkpoint", load, _wrap_load_checkpoint(load, guards)))
+    return patches

@@ -1,0 +1,88 @@
+"""Checkpoint writer processes end with the rank that started them.
+
+Megatron-core's torch_dist save starts helper processes that outlive a killed rank: a
+multiprocessing manager (spawned, one per rank, holding the queue the writers report to)
+and, for asynchronous saves and Megatron-LM's background deletion of old checkpoints,
+forked processes. Killed with SIGKILL, a rank cannot stop them; each stays behind as a copy
+of the rank's memory. Here each of them asks the kernel to kill it when its parent dies
+(Linux ``PR_SET_PDEATHSIG``), and ends at once if the parent is already gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from multiprocessing.managers import SyncManager
+from typing import Any, List, Tuple
+
+_PR_SET_PDEATHSIG = 1
+_fork_hook_installed = False
+_forking_pid = 0
+_forking_from_main_thread = False
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a child process: be killed when ``parent_pid`` ends (end now if it has). A no-op
+    outside Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _before_fork() -> None:
+    global _forking_pid, _forking_from_main_thread
+    _forking_pid = os.getpid()
+    _forking_from_main_thread = threading.current_thread() is threading.main_thread()
+
+
+def _after_fork_in_child() -> None:
+    # The kernel's "parent" is the forking thread: a child forked from a short-lived thread
+    # would die with that thread, so only children of the main thread are tied to it.
+    if _forking_from_main_thread:
+        die_with_parent(_forking_pid)
+
+
+def tie_forked_children_to_this_process() -> None:
+    """Every process forked from this process's main thread from now on dies with it. For the
+    main job only (process-wide, and ``os.register_at_fork`` cannot be undone)."""
+    global _fork_hook_installed
+    if not _fork_hook_installed:
+        os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+        _fork_hook_installed = True
+
+
+def _write_results_queue_dying_with_this_rank(filesystem_async: Any):
+    """Megatron-core's ``get_write_results_queue``, whose manager process dies with the rank."""
+
+    def get_write_results_queue(mp_mode: str = "spawn"):
+        if filesystem_async._results_queue is None:
+            manager = SyncManager(ctx=multiprocessing.get_context(mp_mode))
+            manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+            filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+        return filesystem_async._results_queue
+
+    get_write_results_queue.__wrapped__ = filesystem_async.get_write_results_queue  # type: ignore[attr-defined]
+    return get_write_results_queue
+
+
+def writer_process_patches() -> List[Tuple[Any, str, Any, Any]]:
+    """``(module, name, original, replacement)`` for Megatron-core's write-results queue."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    original = filesystem_async.get_write_results_queue
+    if hasattr(original, "__megatron_muon_undo__"):
+        return []
+    return [
+        (
+            filesystem_async,
+            "get_write_results_queue",
+            original,
+            _write_results_queue_dying_with_this_rank(filesystem_async),
+        )
+    ]

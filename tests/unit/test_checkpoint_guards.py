@@ -1,0 +1,174 @@
+"""The guards on Megatron-LM's save and load path, one process, no model: the directory
+swap (atomic exchange, and the two renames where a filesystem cannot exchange), what an
+interrupted save leaves and how loading repairs it, the tracker written atomically and
+chosen anew when it is unreadable, the ``--save`` refusal, the record that a checkpoint
+carries a manifest, and the router's expert bias held back for a skipped step."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from megatron_muon import checkpoint
+from megatron_muon.checkpoint import CheckpointError, recover_interrupted_swap, swap_into_place
+from megatron_muon.integrity import (
+    MANIFEST,
+    RECORD,
+    CheckpointIntegrityError,
+    source_verified,
+    verify_manifest,
+    write_manifest,
+)
+from megatron_muon.megatron_lm import checkpoint_guards as G
+from megatron_muon.megatron_lm.expert_bias import PendingExpertBias, _wrap_train_step, _wrap_update_router_expert_bias
+from megatron_muon.megatron_lm.launch import check_save_directory
+
+
+def saved(path: Path, content: str) -> Path:
+    """A complete checkpoint directory (one data file, its record and manifest)."""
+    path.mkdir(parents=True)
+    (path / "data.distcp").write_text(content)
+    write_manifest(str(path))
+    return path
+
+
+def files(root: Path) -> dict:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def read(path: Path) -> str:
+    return (path / "data.distcp").read_text()
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
+def test_swap_replaces_only_a_complete_copy(tmp_path, exchange):
+    target = saved(tmp_path / "iter_0000003", "old")
+    staging = saved(tmp_path / "iter_0000003.tmp", "new")
+    with mock.patch.object(checkpoint, "_exchange", wraps=checkpoint._exchange if exchange else lambda a, b: False):
+        swap_into_place(str(staging), str(target))
+    assert read(target) == "new" and sorted(os.listdir(tmp_path)) == ["iter_0000003"]
+    # an empty directory made for the save is replaced; a new target is renamed in
+    (tmp_path / "iter_0000004").mkdir()
+    swap_into_place(str(saved(tmp_path / "iter_0000004.tmp", "four")), str(tmp_path / "iter_0000004"))
+    swap_into_place(str(saved(tmp_path / "iter_0000005.tmp", "five")), str(tmp_path / "iter_0000005"))
+    assert [read(tmp_path / f"iter_000000{i}") for i in (4, 5)] == ["four", "five"]
+
+
+def test_a_swap_killed_between_its_renames_is_undone_at_load(tmp_path):
+    target = saved(tmp_path / "iter_0000003", "old")
+    staging = saved(tmp_path / "iter_0000003.tmp", "new")
+    real_rename = os.rename
+
+    def die_after_first(src, dst):
+        real_rename(src, dst)
+        raise KeyboardInterrupt  # stands in for SIGKILL
+
+    with mock.patch.object(checkpoint, "_exchange", return_value=False), mock.patch("os.rename", die_after_first):
+        with pytest.raises(KeyboardInterrupt):
+            swap_into_place(str(staging), str(target))
+    assert not target.exists() and read(tmp_path / "iter_0000003.old") == "old"
+    (tmp_path / G.TRACKER).write_text("3")
+    assert G.repair_load_directory(str(tmp_path)) is None  # the tracker is fine; the directory is back
+    assert read(target) == "old" and sorted(os.listdir(tmp_path)) == ["iter_0000003", G.TRACKER]
+    assert recover_interrupted_swap(str(target)) is None
+
+
+def test_unreadable_tracker_resumes_from_the_newest_iteration_that_verifies(tmp_path, capsys):
+    for i in (2, 4, 6):
+        saved(tmp_path / f"iter_000000{i}", f"state {i}")
+    (tmp_path / "iter_0000006" / "data.distcp").write_text("state 7")  # corrupt: fails its manifest
+    (tmp_path / "iter_0000008").mkdir()  # a first save killed before anything was written
+    saved(tmp_path / "iter_0000008.tmp", "unfinished")
+    for tracker in ("", "\x00\x00", "6x"):
+        (tmp_path / G.TRACKER).write_text(tracker)
+        assert G.repair_load_directory(str(tmp_path)) == 4
+        assert "resuming from iter_0000004, the newest iteration that verifies" in capsys.readouterr().out
+        assert G.repair_load_directory(str(tmp_path), choose=False) is None
+    assert not (tmp_path / "iter_0000008.tmp").exists()  # ours, removed; Megatron-LM's empty iter_0000008 stays
+    (tmp_path / G.TRACKER).unlink()
+    assert G.repair_load_directory(str(tmp_path)) == 4  # missing beside saved iterations
+    for i in (2, 4):
+        (tmp_path / f"iter_000000{i}" / "data.distcp").write_text("bad")
+    with pytest.raises(CheckpointError, match="no iteration in .* verifies"):
+        G.repair_load_directory(str(tmp_path))
+    assert G.repair_load_directory(str(tmp_path / "nothing")) is None
+
+
+def test_tracker_writes_are_atomic(tmp_path):
+    tracker = tmp_path / G.TRACKER
+    tracker.write_text("3")
+    msc = G.AtomicTrackerWrites(mock.Mock(open=open))
+    with pytest.raises(KeyboardInterrupt):
+        with msc.open(str(tracker), "w") as f:
+            f.write("")  # Megatron-LM's open-with-truncate left this behind when killed here
+            raise KeyboardInterrupt
+    assert tracker.read_text() == "3"
+    with msc.open(str(tracker), "w") as f:
+        f.write("6")
+    assert tracker.read_text() == "6" and sorted(os.listdir(tmp_path)) == [G.TRACKER]
+    with msc.open(str(tmp_path / "other.txt"), "w") as f:  # any other file: Megatron-LM's own open
+        assert not isinstance(f, G._AtomicFile)
+    assert G.read_tracker(str(tmp_path)) == "6"
+
+
+def test_a_deleted_manifest_is_refused_and_an_unverified_source_is_labelled(tmp_path):
+    ckpt = saved(tmp_path / "ckpt", "x")
+    assert RECORD in files(ckpt) and source_verified(str(ckpt))
+    (ckpt / MANIFEST).unlink()
+    with pytest.raises(CheckpointIntegrityError, match=f"saved with a manifest .*{MANIFEST} is missing"):
+        verify_manifest(str(ckpt))
+    other = tmp_path / "converted"
+    other.mkdir()
+    (other / "data.distcp").write_text("y")
+    write_manifest(str(other), source_verified=False)
+    verify_manifest(str(other))
+    assert not source_verified(str(other))
+
+
+def _args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"save": None, "load": None, "start_over": False, **kw})
+
+
+def test_save_holding_a_run_without_a_load_is_refused(tmp_path):
+    run = tmp_path / "run"
+    saved(run / "iter_0000003", "x")
+    (run / G.TRACKER).write_text("3")
+    before = files(run)
+    for load in (None, str(tmp_path / "typo")):
+        with pytest.raises(ValueError, match=f"--save {run} holds a run but .*--load {run}.*--start-over"):
+            check_save_directory(_args(save=str(run), load=load))
+    check_save_directory(_args(save=str(run), load=str(run)))
+    check_save_directory(_args(save=str(run), start_over=True))
+    check_save_directory(_args(save=str(tmp_path / "new")))
+    assert files(run) == before
+
+
+def test_expert_bias_moves_only_with_a_step_taken():
+    router = torch.nn.Module()
+    router.expert_bias = torch.zeros(4)
+    model = [torch.nn.Sequential(router)]
+    pending = PendingExpertBias()
+
+    def megatron_update(model, config):  # Megatron-core's in-place update
+        router.expert_bias.add_(1.0)
+
+    update = _wrap_update_router_expert_bias(megatron_update, pending)
+    for skipped, should_exit, expected in ((1, False, 0.0), (0, True, 0.0), (0, False, 1.0), (0, False, 2.0)):
+
+        def megatron_train_step():
+            update(model, None)  # finalize_model_grads, inside the step
+            assert router.expert_bias.eq(expected - (not skipped and not should_exit)).all()  # not yet
+            return {}, skipped, False, should_exit, 0, None, None, 0
+
+        _wrap_train_step(megatron_train_step, pending)()
+        assert router.expert_bias.eq(expected).all(), (skipped, should_exit, router.expert_bias)
