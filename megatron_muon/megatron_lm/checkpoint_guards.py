@@ -99,7 +99,7 @@ class GuardedDistCheckpointing:
         manifest and the swap into place; for an async save these run as its first finalize
         step, before Megatron-LM's own that moves the tracker."""
         target = str(checkpoint_dir).rstrip("/")
-        if _same(target, self._guards.current) and has_manifest(target):
+        if _same(target, self._guards.current) and _agreed(has_manifest(target)):
             _say(f"{target} already holds this iteration (saved or loaded by this job, no step since): kept as it is")
             return None
         if "verify_integrity" in kwargs:
@@ -112,7 +112,7 @@ class GuardedDistCheckpointing:
         request = self.__wrapped__.save(sharded_state_dict, staging, *args, **kwargs)
 
         def finish() -> None:
-            replacing = os.path.isdir(target) and bool(os.listdir(target))  # before anyone swaps
+            replacing = _agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
             write_manifest(staging)  # collective; ends with a barrier
             if replacing:
                 verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
@@ -280,6 +280,21 @@ def _wrap_read_metadata(original: Callable, guards: CheckpointGuards) -> Callabl
     return read_metadata
 
 
+def _agreed(value):
+    """Rank 0's ``value`` on every rank: what a rank sees of the filesystem decides which
+    collectives follow, so every rank must decide alike (one rank a moment later could see
+    another state, and the ranks would wait on different collectives)."""
+    return _broadcast(value) if dist.is_initialized() and dist.get_world_size() > 1 else value
+
+
+def _manifest_facts(checkpoint_dir: str) -> Tuple[bool, bool, Optional[Tuple[str, int, int]]]:
+    """(has a manifest, has the record of one, the manifest's identity (path, mtime, size))."""
+    if not has_manifest(checkpoint_dir):
+        return False, saved_with_manifest(checkpoint_dir), None
+    stat = os.stat(os.path.join(checkpoint_dir, MANIFEST))
+    return True, True, (os.path.abspath(checkpoint_dir), stat.st_mtime_ns, stat.st_size)
+
+
 def verify_before_read(checkpoint_dir: str, first_read: bool, guards: CheckpointGuards) -> None:
     """Verify ``checkpoint_dir`` (collectively) before Megatron-LM reads it.
 
@@ -290,13 +305,12 @@ def verify_before_read(checkpoint_dir: str, first_read: bool, guards: Checkpoint
     if not dist.is_initialized():
         return
     checkpoint_dir = str(checkpoint_dir)
-    if not has_manifest(checkpoint_dir):
-        if saved_with_manifest(checkpoint_dir):
+    manifest, record, stamp = _agreed(_manifest_facts(checkpoint_dir))
+    if not manifest:
+        if record:
             raise missing_manifest_error(checkpoint_dir)
         _say(f"warning: {checkpoint_dir} has no {MANIFEST}: loading it unverified (saved without megatron_muon)")
         return
-    stat = os.stat(os.path.join(checkpoint_dir, MANIFEST))
-    stamp = (os.path.abspath(checkpoint_dir), stat.st_mtime_ns, stat.st_size)
     if not first_read and guards.verified == stamp:
         return
     verify_manifest(checkpoint_dir)

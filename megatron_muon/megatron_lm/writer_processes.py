@@ -58,11 +58,15 @@ def tie_forked_children_to_this_process() -> None:
 
 
 def _write_results_queue_dying_with_this_rank(filesystem_async: Any):
-    """Megatron-core's ``get_write_results_queue``, whose manager process dies with the rank."""
+    """Megatron-core's ``get_write_results_queue``, whose manager process dies with the rank.
+    On Linux the manager is forked whatever ``mp_mode`` asks: spawned, it imports the training
+    script again (seconds and hundreds of MB per rank) only to serve one queue; it touches
+    no GPU, so forking it is safe."""
 
     def get_write_results_queue(mp_mode: str = "spawn"):
         if filesystem_async._results_queue is None:
-            manager = SyncManager(ctx=multiprocessing.get_context(mp_mode))
+            mode = "fork" if sys.platform.startswith("linux") else mp_mode
+            manager = SyncManager(ctx=multiprocessing.get_context(mode))
             manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
             filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return filesystem_async._results_queue
