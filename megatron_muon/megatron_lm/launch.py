@@ -462,8 +462,11 @@ def checkpoint_errors_as_one_line():
     try:
         yield
     except (CheckpointError, CheckpointIntegrityError) as exc:
+        fix = ""
+        if isinstance(exc, CheckpointIntegrityError) and "is corrupt" in str(exc):
+            fix = "; restore the files from a copy, or resume from an earlier iteration with --ckpt-step"
         if os.environ.get("RANK", "0") == "0":
-            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+            print(f"pretrain_gpt.py: error: {exc}{fix}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 
