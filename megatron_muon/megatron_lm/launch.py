@@ -332,25 +332,21 @@ def check_optimizer_to_load(args: argparse.Namespace, argv: Sequence[str]) -> No
     Megatron-LM's default optimizer format by a re-save in the fully reshardable one, which
     the converter reads (the default stores DDP buckets, not parameters). ``--no-load-optim``
     (weights only) loads as it is."""
-    from megatron.training.checkpointing import get_checkpoint_tracker_filename
-
     from megatron_muon.checkpoint import FORMAT, CheckpointError, read_common
 
+    from .checkpoint_guards import read_tracker
     from .convert import iteration_dir_name
     from .integration import _ours
 
     if not (args.load and _ours(args)) or args.no_load_optim:
         return
-    tracker = get_checkpoint_tracker_filename(args.load)
+    tracked = read_tracker(args.load)
     if args.ckpt_step is not None:
         iteration = args.ckpt_step
-    elif os.path.isfile(tracker):
-        text = open(tracker).read().strip()
-        if not text.isdigit():
-            return  # Megatron-LM's own handling (and issue-27 checks) apply
-        iteration = int(text)
+    elif tracked is not None and tracked.isdigit():
+        iteration = int(tracked)
     else:
-        return
+        return  # no tracker, or one the load path repairs (checkpoint_guards)
     try:
         with warnings.catch_warnings():  # torch's notice that no process group exists yet
             warnings.simplefilter("ignore")
