@@ -37,5 +37,7 @@ setup(
         "bench": ["matplotlib", "emerging-optimizers==0.3.0"],
         # Megatron-core's own Muon (used only by comparison tests and benchmarks).
         "peer": ["emerging-optimizers==0.3.0"],
+        # A CUDA machine: transformer-engine as Megatron-core pins it (its own "te" extra).
+        "gpu": ["megatron-core[te]>=0.19,<0.20"],
     },
 )

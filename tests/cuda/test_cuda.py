@@ -1,0 +1,125 @@
+"""The CUDA tier: what only a GPU box can check, in a few minutes on one GPU.
+
+The rest of the suite runs on the CPU even where a GPU is present (its launches hide the
+devices). Here the same code runs on CUDA: the Newton–Schulz kernels (eager and compiled)
+against a float64 iteration, the main job on one GPU (NCCL, Megatron's local layer specs)
+against the same run on the CPU, transformer-engine's layer specs when it is installed,
+the offload's side-stream copies, and two GPUs over NCCL when there are two. Skipped
+without CUDA; README's "On a CUDA machine" section runs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ROOT = Path(__file__).resolve().parents[2]
+PRETRAIN = ROOT / "tools" / "pretrain_gpt.py"
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
+ITERATIONS = 8
+
+
+def _float64_newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The quintic iteration in float64 on the CPU (independent of our kernels)."""
+    from megatron_muon.newton_schulz import resolve_coefficients
+
+    X = G.double().cpu()
+    tall = X.size(0) > X.size(1)
+    X = X.mT if tall else X
+    X = X / X.norm()
+    for a, b, c in resolve_coefficients("quintic").schedule(steps):
+        A = X @ X.mT
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.mT if tall else X
+
+
+@pytest.mark.parametrize("shape", [(512, 512), (512, 1792), (1792, 256)])
+def test_newton_schulz_on_cuda_is_close_to_float64(shape):
+    """Both methods, fp32 and bf16, eager and compiled, on the GPU: within the distances the
+    CPU measured (docs/design.md, 'Newton–Schulz numerics'), with room for other kernels."""
+    from megatron_muon.newton_schulz import newton_schulz
+
+    torch.manual_seed(0)
+    G = torch.randn(*shape, device="cuda")
+    exact = _float64_newton_schulz(G)
+    bounds = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
+    for method in ("standard", "gram"):
+        for dtype, bound in bounds.items():
+            eager = newton_schulz(G, compute_dtype=dtype, method=method)
+            compiled = newton_schulz(G, compute_dtype=dtype, method=method, compiled=True)
+            for name, X in (("eager", eager), ("compiled", compiled)):
+                assert X.device.type == "cuda" and X.dtype == G.dtype
+                err = float((X.double().cpu() - exact).norm() / exact.norm())
+                assert err < bound, (shape, method, dtype, name, err)
+
+
+def _launch(flags: List[str], nproc: int = 1, cpu: bool = False, timeout: int = 400) -> Dict[int, float]:
+    """lm loss per iteration of the main job (tiny_gqa, no warm-up or evaluation)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]  # fmt: skip
+    cmd = launcher + [str(PRETRAIN), "--recipe", "tiny_gqa", "--train-iters", str(ITERATIONS),
+                      "--lr-warmup-iters", "0", "--eval-iters", "0", *flags]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    found = {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}
+    assert sorted(found) == list(range(1, ITERATIONS + 1)), proc.stdout[-3000:]
+    return found
+
+
+def _close(a: Dict[int, float], b: Dict[int, float], rel: float) -> None:
+    worst = max(abs(a[i] - b[i]) / abs(b[i]) for i in b)
+    assert worst < rel, (worst, a, b)
+
+
+@pytest.fixture(scope="module")
+def cpu_losses() -> Dict[int, float]:
+    return _launch([], cpu=True)
+
+
+def test_main_job_on_one_gpu_trains_like_the_cpu(cpu_losses):
+    """fp32, Megatron's local layer specs: the GPU's kernels differ from the CPU's, so the
+    losses agree to 1 % over 8 iterations, and both fall."""
+    gpu = _launch(["--transformer-impl", "local"])
+    _close(gpu, cpu_losses, 1e-2)
+    assert gpu[ITERATIONS] < gpu[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine not installed")
+def test_transformer_engine_layer_specs(cpu_losses):
+    """transformer-engine's fused layers (fused QKV with its layer norm): the layout rules
+    still find every logical matrix (an unmatched one refuses to build), and it trains
+    like the local specs."""
+    te = _launch(["--transformer-impl", "transformer_engine"])
+    _close(te, cpu_losses, 2e-2)
+
+
+def test_offload_copies_on_side_streams_match_the_device_run():
+    """bf16 with the Muon momentum and the fp32 masters in CPU memory (pinned, copied on a
+    side stream): the same losses as keeping them on the GPU."""
+    on_device = _launch(["--bf16", "--transformer-impl", "local"])
+    offloaded = _launch(["--bf16", "--transformer-impl", "local", "--muon-cpu-offload", "--optimizer-cpu-offload",
+                         "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "1.0"])  # fmt: skip
+    _close(offloaded, on_device, 1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_over_nccl_match_one():
+    """DP2 and TP2 over NCCL: the same global batch, so the losses of one GPU's run."""
+    one = _launch(["--transformer-impl", "local"])
+    _close(_launch(["--transformer-impl", "local"], nproc=2), one, 1e-3)
+    _close(_launch(["--transformer-impl", "local", "--tensor-model-parallel-size", "2"], nproc=2), one, 1e-3)
