@@ -2,7 +2,10 @@
 
 Works on whole torch_dist checkpoints in one process (no model is built): every tensor
 is read at its full global shape, transformed by key, and written back with Megatron's
-own ``dist_checkpointing.save``, so the result loads into any parallel layout.
+own ``dist_checkpointing.save``, so the result loads into any parallel layout. An AdamW
+source in Megatron-LM's default optimizer format (DDP buckets, not parameters) is first
+re-saved fully reshardable by Megatron-LM itself, with the run's own arguments
+(:mod:`.resave`).
 
 Megatron-LM's layout on both sides: the source is a checkpoint directory (``--save`` of
 ``tools/pretrain_gpt.py``, whose ``latest_checkpointed_iteration.txt`` names the iteration)
@@ -311,7 +314,8 @@ def adam_to_muon(
     overwrite: bool = False,
     unverified_source: bool = False,
 ) -> Dict[str, int]:
-    """Megatron DistributedOptimizer (AdamW, ``fully_reshardable``) -> Muon checkpoint.
+    """Megatron DistributedOptimizer (AdamW) -> Muon checkpoint. Megatron-LM's default
+    format (DDP buckets) is first re-saved fully reshardable by Megatron-LM (:mod:`.resave`).
 
     Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
     ``exp_avg`` with ``momentum='exp_avg'``) instead of their AdamW moments; the scalar
@@ -319,20 +323,18 @@ def adam_to_muon(
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
-    check_destination(dst, checkpoint_iteration(Checkpoint(common=read_common(source))), overwrite)
-    ckpt = read_checkpoint(source)
-    opt_common = ckpt.common.get("optimizer", {})
+    common = read_common(source)
+    check_destination(dst, checkpoint_iteration(Checkpoint(common=common)), overwrite)
+    opt_common = common.get("optimizer", {})
     if opt_common.get("format") == FORMAT:
         raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
-    if opt_common.get("param_state_sharding_type") != "fully_reshardable":
-        raise CheckpointError(
-            f"{src}: expected a Megatron distributed-optimizer checkpoint saved with "
-            "metadata={'distrib_optim_sharding_type': 'fully_reshardable'} (Megatron-LM: "
-            f"--dist-ckpt-optim-fully-reshardable); found {opt_common.get('param_state_sharding_type')!r}. "
-            "Re-save it so with Megatron-LM: its flags plus --optimizer adam --load SRC --save NEW "
-            "--dist-ckpt-optim-fully-reshardable --train-iters <its iteration> --save-interval <iteration + 1> "
-            "--use-checkpoint-opt_param-scheduler (docs/checkpoints.md, 'Switching a running AdamW job to Muon')."
-        )
+    if "param_state_sharding_type" not in opt_common:
+        raise CheckpointError(f"{source} holds no Megatron distributed-optimizer state (saved with --no-save-optim?)")
+    if opt_common["param_state_sharding_type"] == "fully_reshardable":
+        ckpt = read_checkpoint(source)
+    else:  # Megatron-LM's default (DDP buckets): Megatron-LM re-saves it parameter by parameter
+        ckpt = _read_resaved(source, common, dst)
+    opt_common = ckpt.common.get("optimizer", {})
     groups = opt_common.get("optimizer", {}).get("param_groups", [])
     step = int(max((g.get("step", 0) for g in groups), default=0))
     iteration = checkpoint_iteration(ckpt)
@@ -357,6 +359,30 @@ def adam_to_muon(
     _retarget_args(ckpt, "muon")
     written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite, source_verified=verified)
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
+
+
+def _read_resaved(source: str, common: Dict[str, Any], dst: str) -> Checkpoint:
+    """``source`` (Megatron-LM's default distributed-optimizer format) re-saved fully
+    reshardable by Megatron-LM (:mod:`.resave`) into a directory beside ``dst`` that is
+    removed afterwards, and read; its common state stays the source's."""
+    import shutil
+
+    from .resave import resave_fully_reshardable
+
+    if not hasattr(common.get("args"), "world_size"):
+        raise CheckpointError(
+            f"{source} does not hold its run's arguments, which the re-save needs (saved by Megatron-LM?)"
+        )
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix=os.path.basename(os.path.abspath(dst)) + ".resave-", dir=parent)
+    try:
+        iteration = checkpoint_iteration(Checkpoint(common=common))
+        ckpt = read_checkpoint(resave_fully_reshardable(os.path.dirname(source), iteration, common["args"], scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ckpt.common = dict(common, optimizer=ckpt.common["optimizer"])
+    return ckpt
 
 
 def muon_to_adam(

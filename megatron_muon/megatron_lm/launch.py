@@ -214,7 +214,7 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         check_checkpoint_to_load(args)
-        check_optimizer_to_load(args, argv)
+        check_optimizer_to_load(args)
     return args
 
 
@@ -312,27 +312,13 @@ def check_save_directory(args: argparse.Namespace) -> None:
     )
 
 
-def _without(argv: Sequence[str], flags: Sequence[str]) -> List[str]:
-    """``argv`` without the value flags ``flags`` (``--flag value`` or ``--flag=value``)."""
-    out, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-        elif token in flags:
-            skip = True
-        elif not token.startswith(tuple(f + "=" for f in flags)):
-            out.append(token)
-    return out
-
-
-def check_optimizer_to_load(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """``--optimizer muon --load`` of an AdamW run (Megatron's distributed optimizer) stops
-    here, before any model is built, with the commands that switch it to Muon: the converter
-    (``adam-to-muon``; momentum from zeros, or ``--momentum exp_avg``), preceded for
-    Megatron-LM's default optimizer format by a re-save in the fully reshardable one, which
-    the converter reads (the default stores DDP buckets, not parameters). ``--no-load-optim``
-    (weights only) loads as it is."""
+def check_optimizer_to_load(args: argparse.Namespace) -> None:
+    """``--optimizer muon --load`` of an AdamW run (Megatron's distributed optimizer, in any of
+    its formats) stops here, before any model is built, with the converter command that
+    switches it to Muon (``adam-to-muon``; momentum from zeros, or ``--momentum exp_avg``).
+    ``--no-load-optim`` (weights only) loads as it is."""
     from megatron_muon.checkpoint import FORMAT, CheckpointError, read_common
+    from megatron_muon.integrity import has_manifest
 
     from .checkpoint_guards import read_tracker
     from .convert import iteration_dir_name
@@ -362,25 +348,12 @@ def check_optimizer_to_load(args: argparse.Namespace, argv: Sequence[str]) -> No
         return
     src = args.load.rstrip("/")
     muon = f"{src}_muon"
-    convert = f"python tools/convert_checkpoint.py adam-to-muon {{source}} {muon}"
-    if optimizer["param_state_sharding_type"] == "fully_reshardable":
-        steps = convert.format(source=src)
-    else:
-        flags = " ".join(
-            _without(
-                argv,
-                ("--optimizer", "--save", "--save-interval", "--train-iters", "--train-samples", "--exit-interval"),
-            )
-        )
-        resave = f"{src}_reshardable"
-        steps = (
-            f"python tools/pretrain_gpt.py {flags} --optimizer adam --save {resave} --dist-ckpt-optim-fully-reshardable "
-            f"--train-iters {iteration} --save-interval {iteration + 1} --use-checkpoint-opt_param-scheduler && "
-            + convert.format(source=resave)
-        )
+    source = os.path.join(src, iteration_dir_name(iteration)) if args.ckpt_step is not None else src
+    unverified = "" if has_manifest(os.path.join(src, iteration_dir_name(iteration))) else " --unverified-source"
+    steps = f"python tools/convert_checkpoint.py adam-to-muon {source} {muon}{unverified}"
     raise ValueError(
         f"--load {args.load} holds AdamW state (Megatron's distributed optimizer, iteration {iteration}), not Muon's: "
-        f"switch it with `{steps}`, then --load {muon}"
+        f"switch it with `{steps}` (--momentum exp_avg starts the momentum from AdamW's first moment), then --load {muon}"
     )
 
 
@@ -466,17 +439,23 @@ def checkpoint_errors_as_one_line():
         raise SystemExit(1) from None
 
 
-def console_main() -> int:
-    """``megatron-muon-pretrain``: runs ``tools/pretrain_gpt.py`` (installed beside the recipes)."""
-    import runpy
-
+def pretrain_script() -> Path:
+    """``tools/pretrain_gpt.py``: of this source checkout, or installed beside the recipes."""
     for candidate in (
         Path(__file__).resolve().parents[2] / "tools",
         Path(sys.prefix) / "share" / "megatron_muon" / "tools",
     ):
         script = candidate / "pretrain_gpt.py"
         if script.is_file():
-            sys.argv[0] = str(script)
-            runpy.run_path(str(script), run_name="__main__")
-            return 0
+            return script
     raise SystemExit("megatron-muon-pretrain: tools/pretrain_gpt.py is not installed (reinstall megatron-muon)")
+
+
+def console_main() -> int:
+    """``megatron-muon-pretrain``: runs ``tools/pretrain_gpt.py`` (installed beside the recipes)."""
+    import runpy
+
+    script = pretrain_script()
+    sys.argv[0] = str(script)
+    runpy.run_path(str(script), run_name="__main__")
+    return 0

@@ -539,3 +539,24 @@ def test_killed_conversion_keeps_the_last_good_checkpoint(driver_checkpoints, tm
     assert left == before  # only the dead run's staging directory is new
     good = run_distributed(_tensors, 1, str(out / "iter_0000006"))[0]
     assert good and all(torch.isfinite(t).all() for t in good.values() if t.is_floating_point())
+
+
+def test_a_failed_resave_leaves_nothing_and_says_why(driver_checkpoints, tmp_path):
+    """An AdamW source in Megatron-LM's default format is re-saved by Megatron-LM with the
+    run's own arguments (the docs' walk-through converts one). Arguments that do not fit
+    the checkpoint (here a hidden size it was not trained with) end in one error naming the
+    command to run, with no destination and no scratch directory left, the source intact."""
+    import copy
+
+    from megatron_muon.checkpoint import CheckpointError, read_common
+    from megatron_muon.megatron_lm.convert import _read_resaved
+
+    source = str(driver_checkpoints / "adam" / "iter_0000004")
+    before = tree(driver_checkpoints / "adam")
+    common = copy.deepcopy(read_common(source))
+    common["args"].hidden_size = 32
+    with pytest.raises(CheckpointError) as error:
+        _read_resaved(source, common, str(tmp_path / "muon"))
+    message = str(error.value)
+    assert "could not re-save" in message and "--hidden-size 32" in message and "\n" not in message, message
+    assert os.listdir(tmp_path) == [] and tree(driver_checkpoints / "adam") == before

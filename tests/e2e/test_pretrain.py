@@ -264,14 +264,15 @@ def test_adamw_baseline_resumes_exactly(adamw_runs, precision):
 
 def test_muon_load_of_an_adamw_run_says_how_to_switch(adamw_runs, cache):
     """--optimizer muon --load of an AdamW run (Megatron-LM's default optimizer format) stops
-    before any model is built, in one line, with the commands that switch it (the whole
-    walk-through runs in docs/checkpoints.md); --no-load-optim loads the weights alone."""
+    before any model is built, in one line, with the converter command that switches it (the
+    whole walk-through runs in docs/checkpoints.md); --no-load-optim loads the weights alone."""
     load = DEFAULT_FORMAT + ["--data-cache-path", str(cache), "--load", str(adamw_runs["fp32"]["ckpt"])]
     proc = launch(PRETRAIN + load, timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
-    for says in ("holds AdamW state", "--dist-ckpt-optim-fully-reshardable", "convert_checkpoint.py adam-to-muon"):
-        assert says in lines[0], lines[0]
+    ckpt = adamw_runs["fp32"]["ckpt"]
+    assert f"convert_checkpoint.py adam-to-muon {ckpt} {ckpt}_muon`" in lines[0], lines[0]
+    assert "holds AdamW state" in lines[0] and "--unverified-source" not in lines[0], lines[0]
     assert BUILT not in proc.stdout
     weights = run(PRETRAIN + load + ["--no-load-optim", "--train-iters", "7"])
     assert sorted(losses(weights)) == [7]
