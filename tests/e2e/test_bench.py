@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import newton_schulz, optimizer_step, overlap_trace, plots, run_all, scale_model
+from tools.bench import newton_schulz, ns_accuracy, optimizer_step, overlap_trace, plots, run_all, scale_model
 
 PEERS = "megatron_adamw,megatron_muon_duplicated,ours_exact,ours_blockwise,ours_exact_offload"
 
@@ -111,6 +111,16 @@ def test_newton_schulz_quick(out):
     for r in timed:
         assert _positive(r["tflops"]) and _positive(r["speedup_of_ours"]) and _positive(r["peak_fraction"]), r
         assert r["rel_err"] < 0.05, r  # every implementation computes the same iteration
+
+
+def test_ns_accuracy_quick(out):
+    """Distances to the float64 iteration: fp32 at rounding level for both methods; with a
+    16-bit compute dtype Gram NS (fp16 inside) is closer than standard NS (bf16)."""
+    data = ns_accuracy.main(["--quick", "--device", "cpu", "--out", str(out)])
+    assert (out / "ns_accuracy.md").exists() and len(data["rows"]) == 2 * len(ns_accuracy.SHAPES)
+    for r in data["rows"]:
+        assert r["standard fp32"] < 1e-4 and r["gram fp32"] < 1e-4, r
+        assert 0 < r["gram bf16"] < r["standard bf16"] < 0.2, r
 
 
 @pytest.mark.timeout(200)
