@@ -11,6 +11,13 @@ layouts, all TP modes, Gram NS, finer logical matrices), DP2 x EP2 (MoE, with an
 without the expert overlap) and DP4 with multi-rank Newton–Schulz. An offloaded run is held
 to its run with the state on the device (``OFFLOAD_TWINS``). Regenerate only when a change
 means to alter the numbers: ``python -m tests.dist.test_refactor_guard --record``.
+
+Bitwise holds only on the CPU model and torch build that recorded it (another CPU's BLAS
+kernels round differently: measured on an AMD EPYC against the Intel Xeon record, every
+fp32 tensor's sum moved by at most 6.5e-7 of its absolute sum, a bf16 run with the
+cautious mask by 1.2e-3). Elsewhere the fp32 runs are held to 1e-5 of each tensor's
+absolute sum (and the losses to 1e-5 relative), 15x what was seen; the 16-bit runs, whose
+cautious masks flip with rounding, are compared on the recording machine only.
 """
 
 from __future__ import annotations
@@ -23,8 +30,34 @@ import pytest
 
 from megatron_muon.testing import run_distributed
 from tests.helpers.guard import OFFLOAD_TWINS, RUNS, fingerprints, guard_runs
+from tools.bench.common import cpu_model
 
 RECORD = Path(__file__).resolve().parents[1] / "data" / "refactor_guard.json"
+ELSEWHERE = 1e-5
+"""Off the recording machine: largest change of a tensor's sum (and absolute sum) as a
+fraction of its absolute sum, and of a loss, relative."""
+
+
+def _recording_machine(record: dict) -> bool:
+    import torch
+
+    return record.get("machine") == cpu_model() and record.get("torch") == torch.__version__
+
+
+def _changed(tensors: dict, expected: dict, bitwise: bool) -> list:
+    """What differs from the record: any bit (``bitwise``), else beyond :data:`ELSEWHERE`."""
+    out = []
+    for key, got in tensors.items():
+        want = expected[key]
+        if key == "losses":
+            a, b = [float.fromhex(x) for x in got], [float.fromhex(x) for x in want]
+            if (got != want) if bitwise else any(abs(x - y) > ELSEWHERE * abs(y) for x, y in zip(a, b)):
+                out.append(f"losses {a} vs {b}")
+        elif (
+            (got[0] != want[0]) if bitwise else max(abs(got[1] - want[1]), abs(got[2] - want[2])) > ELSEWHERE * want[2]
+        ):
+            out.append(f"{key} (sum {got[1]:.9g} vs {want[1]:.9g}, abs sum {got[2]:.9g} vs {want[2]:.9g})")
+    return out
 
 
 def _measure(layout: str) -> dict:
@@ -36,18 +69,16 @@ def _measure(layout: str) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("layout", list(RUNS))
 def test_step_is_bitwise_what_it_was(layout):
-    recorded = json.loads(RECORD.read_text())["runs"]
+    record = json.loads(RECORD.read_text())
+    bitwise = _recording_machine(record)
     measured = _measure(layout)
     for name, tensors in measured.items():
+        if not bitwise and name.startswith("bf16"):
+            continue
         # Offloaded momentum computes what the device path does now (tests.helpers.guard).
-        expected = recorded[OFFLOAD_TWINS.get(name, name)]
+        expected = record["runs"][OFFLOAD_TWINS.get(name, name)]
         assert sorted(tensors) == sorted(expected), f"{name}: other tensors than recorded"
-        changed = [
-            f"{key} (sum {tensors[key][1]:.9g} vs {expected[key][1]:.9g}, abs sum {tensors[key][2]:.9g} vs "
-            f"{expected[key][2]:.9g})" if key != "losses" else f"losses {tensors[key]} vs {expected[key]}"
-            for key in tensors
-            if tensors[key] != expected[key] and (key == "losses" or tensors[key][0] != expected[key][0])
-        ]
+        changed = _changed(tensors, expected, bitwise)
         assert not changed, f"{name}: {len(changed)} tensors changed, e.g. " + "; ".join(changed[:4])
 
 
@@ -58,5 +89,8 @@ if __name__ == "__main__" and "--record" in sys.argv:
     runs = {}
     for layout in RUNS:
         runs.update(_measure(layout))
-    RECORD.write_text(json.dumps({"commit": commit, "runs": runs}, indent=1, sort_keys=True) + "\n")
+    import torch
+
+    record = {"commit": commit, "machine": cpu_model(), "torch": torch.__version__, "runs": runs}
+    RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"recorded {len(runs)} runs at {commit} into {RECORD}")
