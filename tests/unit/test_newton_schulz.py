@@ -206,11 +206,11 @@ def test_default_path_never_compiles(monkeypatch):
 
 @pytest.mark.slow  # torch.compile (inductor) takes about 15 s on a CPU
 def test_compiled_matches_eager():
-    # Inductor on the CPU (gcc): each compile takes seconds, so one small stack (the batched
-    # kernels), both methods; tests/cuda compiles 2-D matrices on a GPU.
+    # Inductor on the CPU (gcc): each compile takes about ten seconds, so one small stack
+    # (the batched kernel) and one method; tests/cuda compiles both methods on a GPU.
     g = torch.Generator().manual_seed(8)
     for G in (torch.randn(2, 40, 12, generator=g),):
-        for method in ("standard", "gram"):
+        for method in ("gram",):
             eager = newton_schulz(G, 5, "polar_express", F32, method=method)
             compiled = newton_schulz(G, 5, "polar_express", F32, compiled=True, method=method)
             assert rel(compiled, eager) < 1e-5, method

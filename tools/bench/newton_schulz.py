@@ -186,6 +186,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     quick = args.quick or (device == "cpu" and not args.full)
     shapes = QUICK_SHAPES if quick else FULL_SHAPES
     warmup, reps = (2, 9) if quick else (3, 10)
+    warmup, reps = args.warmup if args.warmup is not None else warmup, args.reps or reps
     if device == "cpu":
         peak = measured_matmul_tflops(device, 1024 if quick else 2048)
         peak_note = f"measured bf16 GEMM rate of this CPU, {args.threads} thread(s)"
@@ -375,6 +376,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: known devices)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    p.add_argument("--warmup", type=int, help="warm-up calls per implementation (default 2 quick, 3 full)")
+    p.add_argument("--reps", type=int, help="timed calls per implementation (default 9 quick, 10 full)")
     p.add_argument(
         "--stat",
         choices=["median", "best"],
