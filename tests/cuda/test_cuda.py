@@ -21,26 +21,14 @@ from typing import Dict, List
 import pytest
 import torch
 
+from tools.bench.ns_accuracy import float64_iteration
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 ROOT = Path(__file__).resolve().parents[2]
 PRETRAIN = ROOT / "tools" / "pretrain_gpt.py"
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 ITERATIONS = 8
-
-
-def _float64_newton_schulz(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """The quintic iteration in float64 on the CPU (independent of our kernels)."""
-    from megatron_muon.newton_schulz import resolve_coefficients
-
-    X = G.double().cpu()
-    tall = X.size(0) > X.size(1)
-    X = X.mT if tall else X
-    X = X / X.norm()
-    for a, b, c in resolve_coefficients("quintic").schedule(steps):
-        A = X @ X.mT
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.mT if tall else X
 
 
 @pytest.mark.parametrize("shape", [(512, 512), (512, 1792), (1792, 256)])
@@ -51,7 +39,7 @@ def test_newton_schulz_on_cuda_is_close_to_float64(shape):
 
     torch.manual_seed(0)
     G = torch.randn(*shape, device="cuda")
-    exact = _float64_newton_schulz(G)
+    exact = float64_iteration(G.cpu())
     bounds = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
     for method in ("standard", "gram"):
         for dtype, bound in bounds.items():

@@ -585,8 +585,9 @@ def test_killed_job_leaves_no_process_and_resumes_from_its_tracker(cache, tmp_pa
     iteration, twice: none of its processes is left (checkpoint writers die with their
     rank) and the tracker always names a complete checkpoint, which the next job resumes
     from. With an empty tracker the next job resumes from the newest iteration that
-    verifies. Loaded at TP2 (another vocabulary padding), without its manifest, or with a
-    byte flipped, it stops the job with one line on rank 0."""
+    verifies. With a byte flipped it stops the job with one line on rank 0 (another
+    vocabulary padding and a deleted manifest are refused alike: tests/dist/test_faults.py
+    loads them through Megatron-LM's own load path)."""
     ckpt = tmp_path / "ckpt"
     job = TWO_RANKS + "--recipe tiny_gqa --train-iters 60 --lr-warmup-iters 0 --eval-iters 0".split() + [
         "--data-cache-path", str(cache), "--save", str(ckpt), "--save-interval", "1"]  # fmt: skip
@@ -600,12 +601,6 @@ def test_killed_job_leaves_no_process_and_resumes_from_its_tracker(cache, tmp_pa
         assert (ckpt / f"iter_{latest:07d}" / "integrity.json").is_file()
     resumed = run(job + ["--exit-interval", str(latest + 1), "--load", str(ckpt)], timeout=300)
     assert f"at iteration {latest}" in resumed and sorted(losses(resumed)) == [latest + 1], resumed[-2000:]
-    # Loaded at TP2, the vocabulary pads to more rows (the recipe's multiple x TP): refused.
-    tp2 = launch(job + ["--exit-interval", str(latest + 2), "--load", str(ckpt), "--tensor-model-parallel-size", "2"],
-                 timeout=300)  # fmt: skip
-    ours = [line for line in tp2.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert tp2.returncode != 0 and len(ours) == 1 and "--make-vocab-size-divisible-by" in ours[0], tp2.stderr[-3000:]
-    assert int(tracker.read_text()) == latest + 1
     # An empty tracker (what Megatron-LM's own write left when killed): resumes from the
     # newest iteration that verifies, and says so.
     tracker.write_text("")
@@ -613,12 +608,6 @@ def test_killed_job_leaves_no_process_and_resumes_from_its_tracker(cache, tmp_pa
     assert f"resuming from iter_{latest + 1:07d}, the newest iteration that verifies" in again, again[-3000:]
     assert sorted(losses(again)) == [latest + 2] and int(tracker.read_text()) == latest + 2
     newest = ckpt / f"iter_{latest + 2:07d}"
-    # Its manifest deleted: refused (the record says it had one), one line.
-    (newest / "integrity.json").rename(tmp_path / "manifest")
-    gone = launch(job + ["--exit-interval", str(latest + 3), "--load", str(ckpt)], timeout=300)
-    ours = [line for line in gone.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
-    assert gone.returncode != 0 and len(ours) == 1 and "integrity.json is missing" in ours[0], gone.stderr[-3000:]
-    (tmp_path / "manifest").rename(newest / "integrity.json")
     data = sorted(newest.glob("*.distcp"))[0]
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
