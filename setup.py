@@ -32,8 +32,10 @@ setup(
     ],
     extras_require={
         # matplotlib: the suite also renders the benchmark plots (tools/bench/plots.py);
-        # ruff: the formatter and linter .ci/run applies (pinned: its output is checked).
-        "test": ["pytest", "pytest-timeout", "matplotlib", "ruff==0.17.6"],
+        # ruff: the formatter and linter .ci/run applies (pinned: its output is checked);
+        # pytest-xdist: README's test command runs two workers (most tests wait on one
+        # process's imports while the other core idles).
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "ruff==0.17.6"],
         "bench": ["matplotlib", "emerging-optimizers==0.3.0"],
         # Megatron-core's own Muon (used only by comparison tests and benchmarks).
         "peer": ["emerging-optimizers==0.3.0"],
