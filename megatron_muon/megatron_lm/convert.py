@@ -324,7 +324,8 @@ def adam_to_muon(
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
     common = read_common(source)
-    check_destination(dst, checkpoint_iteration(Checkpoint(common=common)), overwrite)
+    iteration = checkpoint_iteration(Checkpoint(common=common))
+    check_destination(dst, iteration, overwrite)
     opt_common = common.get("optimizer", {})
     if opt_common.get("format") == FORMAT:
         raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
@@ -333,11 +334,10 @@ def adam_to_muon(
     if opt_common["param_state_sharding_type"] == "fully_reshardable":
         ckpt = read_checkpoint(source)
     else:  # Megatron-LM's default (DDP buckets): Megatron-LM re-saves it parameter by parameter
-        ckpt = _read_resaved(source, common, dst)
+        ckpt = _read_resaved(source, iteration, common, dst)
     opt_common = ckpt.common.get("optimizer", {})
     groups = opt_common.get("optimizer", {}).get("param_groups", [])
     step = int(max((g.get("step", 0) for g in groups), default=0))
-    iteration = checkpoint_iteration(ckpt)
     if iteration and step > iteration:
         # At most one optimizer step per iteration. torch's AdamW under Megatron-core 0.19.2
         # (no TE / Apex) counted a step once per parameter after a resume (fixed in our CPU
@@ -357,12 +357,12 @@ def adam_to_muon(
     dense = {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}
     ckpt.common["optimizer"] = dict(common_state(step, {"dense": dense}, {}), converted_from="megatron_adam")
     _retarget_args(ckpt, "muon")
-    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite, source_verified=verified)
+    written = publish(dst, iteration, ckpt, overwrite, source_verified=verified)
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
 
 
-def _read_resaved(source: str, common: Dict[str, Any], dst: str) -> Checkpoint:
-    """``source`` (Megatron-LM's default distributed-optimizer format) re-saved fully
+def _read_resaved(source: str, iteration: int, common: Dict[str, Any], dst: str) -> Checkpoint:
+    """``source`` (Megatron-LM's default distributed-optimizer format, at ``iteration``) re-saved fully
     reshardable by Megatron-LM (:mod:`.resave`) into a directory beside ``dst`` that is
     removed afterwards, and read; its common state stays the source's."""
     import shutil
@@ -377,7 +377,6 @@ def _read_resaved(source: str, common: Dict[str, Any], dst: str) -> Checkpoint:
     os.makedirs(parent, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix=os.path.basename(os.path.abspath(dst)) + ".resave-", dir=parent)
     try:
-        iteration = checkpoint_iteration(Checkpoint(common=common))
         ckpt = read_checkpoint(resave_fully_reshardable(os.path.dirname(source), iteration, common["args"], scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

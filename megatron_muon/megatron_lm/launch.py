@@ -333,10 +333,12 @@ def check_optimizer_to_load(args: argparse.Namespace) -> None:
         iteration = int(tracked)
     else:
         return  # no tracker, or one the load path repairs (checkpoint_guards)
+    src = args.load.rstrip("/")
+    iteration_dir = os.path.join(src, iteration_dir_name(iteration))
     try:
         with warnings.catch_warnings():  # torch's notice that no process group exists yet
             warnings.simplefilter("ignore")
-            common = read_common(os.path.join(args.load, iteration_dir_name(iteration)))
+            common = read_common(iteration_dir)
     except CheckpointError:
         return  # Megatron-LM reports what is wrong with it
     optimizer = common.get("optimizer")
@@ -346,10 +348,9 @@ def check_optimizer_to_load(args: argparse.Namespace) -> None:
         or "param_state_sharding_type" not in optimizer
     ):
         return
-    src = args.load.rstrip("/")
     muon = f"{src}_muon"
-    source = os.path.join(src, iteration_dir_name(iteration)) if args.ckpt_step is not None else src
-    unverified = "" if has_manifest(os.path.join(src, iteration_dir_name(iteration))) else " --unverified-source"
+    source = iteration_dir if args.ckpt_step is not None else src
+    unverified = "" if has_manifest(iteration_dir) else " --unverified-source"
     steps = f"python tools/convert_checkpoint.py adam-to-muon {source} {muon}{unverified}"
     raise ValueError(
         f"--load {args.load} holds AdamW state (Megatron's distributed optimizer, iteration {iteration}), not Muon's: "

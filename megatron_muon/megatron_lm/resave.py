@@ -40,6 +40,11 @@ NOT_CARRIED = frozenset(
 RESAVE_FLAGS = ["--optimizer", "adam", "--mock-data", "--eval-iters", "0"]
 
 
+def world_size(saved: argparse.Namespace) -> int:
+    """How many ranks the saved run had."""
+    return int(getattr(saved, "world_size", 1) or 1)
+
+
 def run_flags(saved: argparse.Namespace) -> List[str]:
     """Command-line flags under which Megatron-LM's parsed and validated arguments equal
     ``saved`` (a run's arguments, as Megatron-LM stores them in its checkpoints), except
@@ -53,7 +58,7 @@ def run_flags(saved: argparse.Namespace) -> List[str]:
     install_argument_layers()  # --optimizer muon and the --muon-* flags
     parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in NOT_CARRIED}  # noqa: SLF001
-    world = int(getattr(saved, "world_size", 1) or 1)
+    world = world_size(saved)
     # Every value that is not its flag's default, less what validation derives when it is
     # unset (Megatron-LM refuses e.g. --encoder-num-layers beside --num-layers); then each
     # value that validation does not reproduce, until it reproduces them all.
@@ -127,8 +132,7 @@ def pretrain_command(saved: argparse.Namespace, flags: List[str]) -> List[str]:
     run's world size (a free rendezvous port)."""
     from .launch import pretrain_script
 
-    world = int(getattr(saved, "world_size", 1) or 1)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world_size(saved)),
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]  # fmt: skip
     return launcher + [str(pretrain_script()), *run_flags(saved), *flags]
 
@@ -149,7 +153,7 @@ def resave_fully_reshardable(source: str, iteration: int, saved: argparse.Namesp
          str(iteration + 1), "--use-checkpoint-opt_param-scheduler"],
     )  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if torch.cuda.device_count() < int(getattr(saved, "world_size", 1) or 1):
+    if torch.cuda.device_count() < world_size(saved):
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"re-saving {source} iteration {iteration} fully reshardable with Megatron-LM: {' '.join(cmd)}", flush=True)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -538,7 +538,7 @@ def test_a_failed_resave_leaves_nothing_and_says_why(driver_checkpoints, tmp_pat
     common = copy.deepcopy(read_common(source))
     common["args"].hidden_size = 32
     with pytest.raises(CheckpointError) as error:
-        _read_resaved(source, common, str(tmp_path / "muon"))
+        _read_resaved(source, 4, common, str(tmp_path / "muon"))
     message = str(error.value)
     assert "could not re-save" in message and "--hidden-size 32" in message and "\n" not in message, message
     assert os.listdir(tmp_path) == [] and tree(driver_checkpoints / "adam") == before

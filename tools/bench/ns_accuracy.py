@@ -18,6 +18,7 @@ times are not reported. Results go to ``--out`` (default ``runs/bench``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -100,14 +101,11 @@ def measure(shapes, emulate: bool, device: str) -> List[Dict[str, Any]]:
             Gd = G.to(device)
             for method in ("standard", "gram"):
                 for dtype, tag in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-                    mode = Fp16GemmAsOnGpu() if emulate and dtype != torch.float32 and method == "gram" else None
+                    fp16_inside = emulate and dtype != torch.float32 and method == "gram"
                     common.synchronize(device)
                     t = time.perf_counter()
-                    if mode is None:
+                    with Fp16GemmAsOnGpu() if fp16_inside else contextlib.nullcontext():
                         X = newton_schulz(Gd, compute_dtype=dtype, method=method)
-                    else:
-                        with mode:
-                            X = newton_schulz(Gd, compute_dtype=dtype, method=method)
                     common.synchronize(device)
                     row[f"{method} {tag}"] = float((X.double().cpu() - exact).norm() / exact.norm())
                     if tag == "fp32" or device != "cpu":
