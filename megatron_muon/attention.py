@@ -6,7 +6,16 @@ seen in the step. Transformer-engine's attention records it in
 ``config.log_max_attention_logit`` is set); Megatron's local ``DotProductAttention``
 records nothing and rejects the ``k_channels`` / ``v_channels`` that multi-latent
 attention passes. ``RecordingDotProductAttention`` does both, without transformer-engine
-and on the CPU: MHA, GQA and MLA, causal or with an explicit mask.
+and on the CPU: MHA, GQA and MLA, causal or with an explicit mask, with or without context
+parallelism.
+
+Context parallelism (``context_parallel_size`` > 1): each CP rank holds two of the
+``2 * CP`` equal chunks of the sequence (chunks ``r`` and ``2 * CP - 1 - r``, Megatron's
+load-balanced split, ``get_batch_on_this_cp_rank``). Keys and values are all-gathered over
+the CP group (backward: reduce-scatter of their gradients), every query attends to all
+gathered keys, and the causal mask compares global positions. This is the simplest exact
+CP attention (no ring, whole K/V on every rank); transformer-engine's ring attention is
+the one to use on GPUs.
 
 The record is a running max over the micro-batches of a step (a ``[heads_per_partition]``
 fp32 tensor); the optimizer all-reduces it over data/context-parallel ranks, uses it, and
@@ -25,9 +34,22 @@ from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+
+def cp_positions(local_length: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
+    """Global positions of the ``local_length`` tokens that CP rank ``cp_rank`` holds under
+    Megatron's load-balanced split: chunks ``cp_rank`` and ``2 * cp_size - 1 - cp_rank`` of
+    the ``2 * cp_size`` equal chunks of the sequence."""
+    if local_length % 2:
+        raise ValueError(f"context parallelism: a rank's sequence length ({local_length}) must be even")
+    half = local_length // 2
+    return torch.cat(
+        [torch.arange(c * half, (c + 1) * half, device=device) for c in (cp_rank, 2 * cp_size - 1 - cp_rank)]
+    )
 
 
 class RecordingDotProductAttention(MegatronModule):
@@ -47,19 +69,18 @@ class RecordingDotProductAttention(MegatronModule):
         v_channels: Optional[int] = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError(
-                "RecordingDotProductAttention does not implement context parallelism; use "
-                "transformer-engine's attention (it records max logits too) for CP > 1."
-            )
         if getattr(config, "softmax_type", "vanilla") != "vanilla" or getattr(config, "window_size", None):
             raise NotImplementedError("RecordingDotProductAttention supports vanilla full/causal softmax only.")
         if pg_collection is not None:
             tp_size = pg_collection.tp.size()
+            self.cp_group = getattr(pg_collection, "cp", None)
         else:
             from megatron.core import parallel_state
 
             tp_size = parallel_state.get_tensor_model_parallel_world_size()
+            self.cp_group = parallel_state.get_context_parallel_group() if config.context_parallel_size > 1 else None
+        if self.cp_group is not None and self.cp_group.size() == 1:
+            self.cp_group = None
         self.layer_number = max(1, layer_number)
         self.attn_mask_type = attn_mask_type
         self.heads = config.num_attention_heads // tp_size
@@ -93,6 +114,8 @@ class RecordingDotProductAttention(MegatronModule):
         """q ``[sq, b, np, hk]``, k ``[sk, b, ng, hk]``, v ``[sk, b, ng, hv]`` -> ``[sq, b, np*hv]``."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("RecordingDotProductAttention: packed sequences / attention bias")
+        if self.cp_group is not None:
+            key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
         repeat = query.shape[2] // key.shape[2]
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
@@ -102,7 +125,17 @@ class RecordingDotProductAttention(MegatronModule):
         sq, sk = scores.shape[-2:]
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         masked = attention_mask
-        if masked is None and mask_type == AttnMaskType.causal:
+        if self.cp_group is not None:
+            q_pos = cp_positions(sq, self.cp_group.rank(), self.cp_group.size(), scores.device)
+            k_pos = torch.cat(
+                [cp_positions(sq, r, self.cp_group.size(), scores.device) for r in range(self.cp_group.size())]
+            )
+            if masked is not None:
+                # The mask's key axis is the whole sequence in order; put it in gathered order.
+                masked = masked[..., k_pos]
+            elif mask_type == AttnMaskType.causal:
+                masked = k_pos[None, :] > q_pos[:, None]
+        elif masked is None and mask_type == AttnMaskType.causal:
             masked = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
         if self.record and self.training:
             self._record(scores, masked)

@@ -105,13 +105,16 @@ class CudaToCpuMode(TorchFunctionMode):
 
     Megatron's distributed optimizer routes parameters by ``param.type()``
     ('torch.cuda.BFloat16Tensor', ...) and allocates a few tensors with a literal
-    ``device='cuda'``; this mode makes both work unchanged on the CPU.
+    ``device='cuda'`` (or ``pin_memory=True``); this mode makes both work unchanged on the CPU.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            # Pinning needs a CUDA driver (the CP position-embedding split pins an index).
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)

@@ -355,11 +355,14 @@ def _microbatches(tokens: torch.Tensor, micro_batch_size: int) -> Iterator[Dict[
 
 
 def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    tokens, labels = batch["tokens"], batch["labels"]
-    seq = tokens.shape[1]
-    position_ids = torch.arange(seq).unsqueeze(0).expand_as(tokens)
-    output = model(tokens, position_ids, None, labels=labels)
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = dict(next(data_iterator))
+    batch["position_ids"] = torch.arange(batch["tokens"].shape[1]).unsqueeze(0).expand_as(batch["tokens"])
+    # Each context-parallel rank keeps its two chunks of the sequence (Megatron's split).
+    batch = get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=parallel_state.get_context_parallel_group())
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
     def loss_func(output_tensor):
         loss = output_tensor.float().mean()
@@ -412,14 +415,15 @@ def forward_backward(
 
 
 def _reduce_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
-    """Mean loss over micro-batches and data-parallel ranks, broadcast from the last stage."""
+    """Mean loss over micro-batches and data- and context-parallel ranks (each CP rank's
+    loss is the mean over its tokens, all equally many), broadcast from the last stage."""
     from megatron.core import parallel_state
 
     value = torch.zeros(1)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and losses:
         value[0] = torch.stack([x["lm loss"] for x in losses]).mean()
-    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group())
-    value /= parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_reduce(value, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
     torch.distributed.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
     return float(value[0])
 

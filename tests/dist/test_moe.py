@@ -27,6 +27,8 @@ MOE_LAYOUTS = [
     pytest.param(4, dict(tp=2, ep=2), MOE_SP, id="TP2xEP2-SP"),
     pytest.param(4, dict(tp=2, ep=2, etp=2), MOE_SP, id="EP2xETP2"),
     pytest.param(4, dict(pp=2, ep=2), MOE, id="PP2xEP2"),
+    # Experts see tokens of every CP rank: expert DP spans data x context parallel ranks.
+    pytest.param(4, dict(cp=2, ep=2), MOE, id="CP2xEP2"),
 ]
 
 

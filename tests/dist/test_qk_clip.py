@@ -29,14 +29,14 @@ def _boost_heads(chunks, spec, heads):
             lh = h - t * local_heads
             if spec.mla:
                 per = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
-                attn.linear_q_up_proj.weight[lh * per:(lh + 1) * per] *= BOOST
+                attn.linear_q_up_proj.weight[lh * per : (lh + 1) * per] *= BOOST
             else:
                 groups = (cfg.num_query_groups or cfg.num_attention_heads) // tp
                 hpg = local_heads // groups
                 d = cfg.kv_channels
                 g, i = divmod(lh, hpg)
                 row = g * (hpg + 2) * d + i * d
-                attn.linear_qkv.weight[row:row + d] *= BOOST
+                attn.linear_qkv.weight[row : row + d] *= BOOST
 
 
 def _clip_once(spec_kwargs, heads):
@@ -69,6 +69,11 @@ CLIP_CASES = [
     pytest.param(dict(kind="mha"), 2, {}, [0, 3], 2.0, id="MHA-DP2"),
     pytest.param(dict(kind="gqa"), 4, dict(tp=2), [0, 3], 2.0, id="GQA-DP2xTP2"),
     pytest.param(dict(kind="mla"), 2, {}, [1, 2], 1.0, id="MLA-DP2"),
+    # Context parallelism: each CP rank records the max over its own queries; the clip
+    # must see the max over the whole sequence (all-reduced over data x context parallel).
+    pytest.param(dict(kind="gqa"), 2, dict(cp=2), [0, 3], 2.0, id="GQA-CP2"),
+    pytest.param(dict(kind="gqa"), 4, dict(cp=2, tp=2), [0, 3], 2.0, id="GQA-CP2xTP2"),
+    pytest.param(dict(kind="mla"), 2, dict(cp=2), [1, 2], 1.0, id="MLA-CP2"),
 ]
 
 
@@ -87,7 +92,7 @@ def test_clipped_heads_reach_tau_exactly(model, world, layout, heads, tau):
                 assert s_new == pytest.approx(tau, rel=1e-3), (s, s_new)
             else:  # untouched heads, GQA siblings of clipped heads included
                 assert s_new == pytest.approx(s, rel=1e-5), (s, s_new)
-    dp = world // layout.get("tp", 1)  # every DP rank reports the same (all-reduced) heads
+    dp = world // layout.get("tp", 1)  # every DP/CP rank reports the same (all-reduced) heads
     assert clipped == len(heads) * dp, "exactly the boosted heads should have exceeded tau"
 
 
@@ -117,6 +122,9 @@ EQUAL_CASES = [
     pytest.param("mla", 4, dict(tp=2), id="MLA-DP2xTP2"),
     pytest.param("mla", 2, dict(pp=2), id="MLA-PP2"),
     pytest.param("mla", 4, dict(pp=2), id="MLA-DP2xPP2"),
+    pytest.param("gqa", 2, dict(cp=2), id="GQA-CP2"),
+    pytest.param("gqa", 4, dict(cp=2, tp=2), id="GQA-CP2xTP2"),
+    pytest.param("mla", 2, dict(cp=2), id="MLA-CP2"),
 ]
 
 

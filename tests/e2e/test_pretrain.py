@@ -136,13 +136,8 @@ def test_tensorboard_holds_megatron_lm_and_muon_scalars(cache, tmp_path):
     """--tensorboard-dir: Megatron-LM's scalars and Muon's (update RMS, max and mean attention
     logit, heads clipped, skipped steps, step time) at every log interval; with a low
     threshold QK-Clip clips heads every step."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tmp_path / "tb")))
-    (events,) = list((tmp_path / "tb").glob("events.out.tfevents.*"))
-    acc = EventAccumulator(str(events))
-    acc.Reload()
-    scalars = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    scalars = _tensorboard_scalars(tmp_path / "tb")
     for tag in (
         "lm loss",
         "grad-norm",
@@ -159,6 +154,41 @@ def test_tensorboard_holds_megatron_lm_and_muon_scalars(cache, tmp_path):
     assert all(v > 0 for v in scalars["muon/qk-clip-heads-clipped"])
     assert scalars["muon/max-attention-logit"] == pytest.approx(scalars["max_attention_logit"])
     assert all(m >= a > 0 for m, a in zip(scalars["muon/max-attention-logit"], scalars["muon/mean-attention-logit"]))
+
+
+def _tensorboard_scalars(directory: Path) -> Dict[str, List[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = list(directory.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.slow
+def test_context_parallel_logs_the_data_parallel_losses(cache, tmp_path):
+    """--context-parallel-size 2 on 2 ranks against DP2: the same global batch, each CP rank
+    holding half of every sequence (Megatron's load-balanced split; K/V gathered over CP in
+    our CPU attention). Same lm loss for 12 iterations within 1e-4 relative, and QK-Clip sees
+    the same max logits (a low threshold clips heads). fp32 Newton–Schulz: in bf16, NS turns
+    reduction-order noise into ~1e-4 loss differences between any two layouts."""
+    flags = "--muon-ns-dtype fp32 --qk-clip --qk-clip-threshold 0.1".split()
+    runs = {}
+    for name, layout in (("dp2", []), ("cp2", ["--context-parallel-size", "2"])):
+        tb = tmp_path / name
+        stdout = run(
+            TWO_RANKS[:-1]
+            + short_run("tiny_gqa", cache, *flags, *layout, "--tensorboard-dir", str(tb), iterations=12)[1:],
+            timeout=300,
+        )
+        runs[name] = (losses(stdout), _tensorboard_scalars(tb))
+    (dp_loss, dp_tb), (cp_loss, cp_tb) = runs["dp2"], runs["cp2"]
+    assert sorted(cp_loss) == list(range(1, 13)) and sorted(dp_loss) == sorted(cp_loss)
+    for i in dp_loss:
+        assert cp_loss[i] == pytest.approx(dp_loss[i], rel=1e-4), (i, cp_loss[i], dp_loss[i])
+    assert any(v > 0 for v in cp_tb["muon/qk-clip-heads-clipped"]), cp_tb["muon/max-attention-logit"]
+    assert cp_tb["muon/qk-clip-heads-clipped"] == dp_tb["muon/qk-clip-heads-clipped"]
+    assert cp_tb["muon/max-attention-logit"] == pytest.approx(dp_tb["muon/max-attention-logit"], rel=1e-4)
 
 
 def test_megatron_core_muon_side_by_side_in_bf16(cache):
