@@ -1,4 +1,5 @@
-"""``get_muon_optimizer``: build the Muon optimizer for Megatron DDP-wrapped model chunks.
+"""``get_muon_optimizer``: build the Muon optimizer for Megatron DDP- or Megatron-FSDP-wrapped
+model chunks.
 
 Mirrors ``megatron.core.optimizer.get_megatron_optimizer`` for the distributed optimizer:
 parameter groups come from Megatron's own grouping (weight-decay and learning-rate
@@ -21,6 +22,13 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from .buffer_layout import is_owner_aligned
 from .config import MuonConfig
 from .matrices import collect_muon_params
+from .megatron_fsdp import (
+    carry_parameter_attributes,
+    check_megatron_fsdp,
+    check_single_rank_groups,
+    dp_groups,
+    is_megatron_fsdp,
+)
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
 from .process_groups import parallel_groups
 from .qk_clip import QKClip
@@ -44,8 +52,21 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
     if not model_chunks:
         raise ValueError("get_muon_optimizer: model_chunks is empty.")
     _check_precision(model_chunks, config)
+    fsdp = [is_megatron_fsdp(chunk) for chunk in model_chunks]
+    if any(fsdp) and not all(fsdp):
+        raise ValueError("get_muon_optimizer: wrap every model chunk in Megatron-FSDP or none.")
+    if all(fsdp):
+        check_megatron_fsdp(model_chunks[0].ddp_config)
+        check_single_rank_groups(model_chunks)
+        if config.muon_cpu_offload or config.optimizer_cpu_offload:
+            raise NotImplementedError(
+                "get_muon_optimizer: CPU offload (muon_cpu_offload / optimizer_cpu_offload) is not supported on "
+                "Megatron-FSDP; Megatron-FSDP already shards the masters, gradients and parameters over DP."
+            )
     for i, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
+        if fsdp[i]:
+            continue
         if ddp_config is None or not hasattr(chunk, "buffers"):
             raise TypeError(
                 f"get_muon_optimizer: model chunk {i} ({type(chunk).__name__}) is not wrapped in "
@@ -64,8 +85,6 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
             raise NotImplementedError(
                 "get_muon_optimizer: num_distributed_optimizer_instances > 1 is not supported yet."
             )
-        if getattr(ddp_config, "use_megatron_fsdp", False):
-            raise NotImplementedError("get_muon_optimizer: Megatron-FSDP is not supported.")
     if config.use_precision_aware_optimizer:
         raise NotImplementedError("get_muon_optimizer: use_precision_aware_optimizer is not supported.")
     if config.reuse_grad_buf_for_mxfp8_param_ag:
@@ -83,6 +102,8 @@ def _owner_aligned(config: MuonConfig, model_chunks: List[torch.nn.Module]) -> b
 
     'owner_aligned' asked but DDP built without the layout: the step is still exact on
     Megatron's byte-level layout, only with DP traffic, so warn (naming the fix) rather than fail."""
+    if is_megatron_fsdp(model_chunks[0]):
+        return False  # Megatron-FSDP chooses its own layout (docs/design.md)
     aligned = is_owner_aligned(model_chunks)
     if config.muon_buffer_layout == "owner_aligned" and not aligned:
         logger.warning(
@@ -142,6 +163,14 @@ def get_muon_optimizer(
     if not isinstance(config, MuonConfig):
         raise TypeError("get_muon_optimizer expects a megatron_muon.MuonConfig (it extends OptimizerConfig).")
     _check_model_chunks(model_chunks, config)
+    fsdp_groups = {}
+    if is_megatron_fsdp(model_chunks[0]):
+        fsdp_groups = dp_groups(model_chunks)
+        for chunk in model_chunks:
+            # The optimizer holds the DTensor parameters Megatron-FSDP registers; modules hold
+            # them outside forward/backward, but the raw ones after a parameter all-gather.
+            chunk.module._replace_param_with_distributed_if_needed()
+        carry_parameter_attributes(model_chunks)
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
 
@@ -173,6 +202,8 @@ def get_muon_optimizer(
             dp_group, dp_gloo = groups["intra_dp_cp_group"], groups["intra_dp_cp_group_gloo"]
             mp_rank = groups["mp_group"].rank()
             ortho_tp = parallel.tp
+        # Megatron-FSDP shards each parameter over its own group (the same ranks).
+        dp_group = fsdp_groups.get(expert, dp_group)
         params = {id(p) for g in param_groups for p in g["params"]}
         opt = MuonDistributedOptimizer(
             MuonAdamW(param_groups, config),

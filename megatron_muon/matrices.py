@@ -131,6 +131,13 @@ class LogicalMatrix:
         ]
 
 
+def storage_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of this rank's (tensor-parallel local) storage of ``param``. A Megatron-FSDP
+    parameter is a ``DTensor`` whose shape is the tensor-parallel *global* one; its
+    ``orig_param`` (the module's own parameter) has the local shape."""
+    return getattr(param, "orig_param", param).shape
+
+
 @dataclass
 class ParamContext:
     """What a layout rule may look at to decide a parameter's logical matrices."""
@@ -146,6 +153,15 @@ class ParamContext:
     tp_size: int
 
     @property
+    def shape(self) -> torch.Size:
+        """This rank's (tensor-parallel local) storage shape of the parameter."""
+        return storage_shape(self.param)
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
     def partition_dim(self) -> Optional[int]:
         if getattr(self.param, "tensor_model_parallel", False) and self.tp_size > 1:
             return int(self.param.partition_dim)
@@ -153,7 +169,7 @@ class ParamContext:
 
     def shape_error(self, expected: str) -> ValueError:
         return ValueError(
-            f"Parameter {self.name} has local shape {tuple(self.param.shape)}, which contradicts "
+            f"Parameter {self.name} has local shape {tuple(self.shape)}, which contradicts "
             f"the model config ({expected}, tensor_model_parallel_size={self.tp_size}). Check "
             "the TransformerConfig passed to the model, or exclude the parameter from Muon "
             "with MuonConfig.muon_exclude_patterns."
@@ -176,7 +192,7 @@ def _every_tp(ctx: ParamContext, blocks: Sequence[Block]) -> Tuple[Tuple[int, Tu
 
 def whole_matrix(ctx: ParamContext, blocks: Optional[Sequence[Block]] = None, **kw) -> LogicalMatrix:
     """The parameter (or the given blocks of it) as one matrix across all TP ranks."""
-    rows, cols = ctx.param.shape
+    rows, cols = ctx.shape
     blocks = tuple(blocks) if blocks is not None else (Block(0, rows, cols),)
     dim = ctx.partition_dim
     return LogicalMatrix(
@@ -206,7 +222,7 @@ def is_linear_module(module: torch.nn.Module) -> bool:
 
 
 def _plain_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
-    if ctx.param.dim() != 2 or not is_linear_module(ctx.module) or not _WEIGHT.match(ctx.attr):
+    if len(ctx.shape) != 2 or not is_linear_module(ctx.module) or not _WEIGHT.match(ctx.attr):
         return None
     return [whole_matrix(ctx)]
 
@@ -249,7 +265,7 @@ def grouped_rows(
     ``heads_in`` further cut into that many heads (the query heads of a GQA group).
     """
     group_rows = sum(r for _, r in parts)
-    rows, cols = ctx.param.shape
+    rows, cols = ctx.shape
     if groups < ctx.tp_size and ctx.tp_size % groups == 0 and ctx.partition_dim == 0:
         if rows * ctx.tp_size == groups * group_rows:
             return _groups_across_tp(ctx, groups, parts, granularity, heads_in or {})
@@ -295,7 +311,7 @@ def rows_across_tp(ctx: ParamContext, global_rows: Sequence[Tuple[int, int]], **
     """The matrix made of the (start, count) ``global_rows`` of a column-parallel weight,
     wherever the TP slices put them (rank t holds global rows [t * local, (t + 1) * local)).
     Its pieces may differ in size and live on some TP ranks only."""
-    local_rows, cols = ctx.param.shape
+    local_rows, cols = ctx.shape
     pieces = []
     for t in range(ctx.tp_size):
         lo, hi = t * local_rows, (t + 1) * local_rows
@@ -397,13 +413,13 @@ def glu_halves(ctx: ParamContext, offset: int, rows: int, cols: int, prefix: str
 def _glu_fc1_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
     """Gated fc1 of a dense MLP, a SequentialMLP expert (an MLP too) or a TEGroupedMLP
     (``linear_fc1.weight<i>``, one expert each): rows are [gate; up] on every TP rank."""
-    if ctx.parent_attr != "linear_fc1" or not _WEIGHT.match(ctx.attr) or ctx.param.dim() != 2:
+    if ctx.parent_attr != "linear_fc1" or not _WEIGHT.match(ctx.attr) or len(ctx.shape) != 2:
         return None
     if not is_linear_module(ctx.module):
         return None
     if not (ctx.config.muon_split_glu and ctx.model_config.gated_linear_unit):
         return None
-    rows, cols = ctx.param.shape
+    rows, cols = ctx.shape
     if rows % 2 or ctx.partition_dim not in (0, None):
         raise ctx.shape_error("gated_linear_unit: fc1 rows must be [gate; up] halves")
     return glu_halves(ctx, 0, rows, cols)
@@ -419,7 +435,7 @@ def _legacy_grouped_rule(ctx: ParamContext) -> Optional[List[LogicalMatrix]]:
         return None
     experts = int(module.num_local_experts)
     hidden = ctx.model_config.hidden_size
-    numel = ctx.param.numel()
+    numel = ctx.numel
     if numel % (experts * hidden):
         raise ctx.shape_error(f"{experts} local experts x hidden_size={hidden}")
     ffn = numel // (experts * hidden)
@@ -549,7 +565,7 @@ class MuonParam:
 
 def _check_tiling(layout_name: str, ctx: ParamContext, matrices: List[LogicalMatrix]) -> None:
     """Every element of every TP rank's storage belongs to exactly one logical matrix."""
-    numel = ctx.param.numel()
+    numel = ctx.numel
     for t in range(ctx.tp_size):
         blocks = sorted((b for m in matrices for tt, bs in m.pieces if tt == t for b in bs), key=lambda b: b.offset)
         end = 0
@@ -572,8 +588,8 @@ def logical_matrices(ctx: ParamContext) -> List[LogicalMatrix]:
             _check_tiling(layout_name, ctx, matrices)
             return matrices
     raise ValueError(
-        f"No Muon layout claims parameter {ctx.name} of shape {tuple(ctx.param.shape)} "
-        f"(a {ctx.param.dim()}-D tensor of module {type(ctx.module).__name__}). Fused or "
+        f"No Muon layout claims parameter {ctx.name} of shape {tuple(ctx.shape)} "
+        f"(a {len(ctx.shape)}-D tensor of module {type(ctx.module).__name__}). Fused or "
         "N-D storage must be described by a layout (megatron_muon.matrices.register_layout) "
         "so that Muon never orthogonalizes storage as if it were one matrix; or route the "
         "parameter to AdamW with MuonConfig.muon_exclude_patterns."

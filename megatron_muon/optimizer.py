@@ -35,6 +35,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from .config import MuonConfig, update_scale
 from .matrices import MuonParam, unwrap
+from .megatron_fsdp import local_flat
 from .newton_schulz import resolve_coefficients
 from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
 from .pipeline import MuonStep, chunk_update, drive
@@ -143,7 +144,14 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         )
         self.muon_params = list(muon_params)
         self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
-        self.shard_map = ShardMap.from_distributed_optimizer(self)
+        self.megatron_fsdp = bool(self.ddp_config.use_megatron_fsdp)
+        """Megatron-FSDP keeps the masters and gradients (Megatron's optimizer returns early)."""
+        if self.megatron_fsdp:
+            self.buffers, self.data_parallel_group = [], data_parallel_group
+            self.shard_map = ShardMap.from_megatron_fsdp(model_chunks, [mp.param for mp in self.muon_params])
+            self._step_muon_masters()
+        else:
+            self.shard_map = ShardMap.from_distributed_optimizer(self)
         """Who holds which range of every parameter, and this rank's fp32 masters."""
         self.plan = self._plan(tp_group, owner_aligned)
         self.masters_offload: Optional[OffloadedMasters] = None
@@ -173,6 +181,26 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                     "chunks differ in structure between tensor/data-parallel ranks. Build the same model on every rank."
                 )
         return plan
+
+    def _step_muon_masters(self) -> None:
+        """Megatron-FSDP: the Muon groups hold this rank's flat master shards instead of the
+        ``DTensor`` parameters (as Megatron's optimizer holds its shard masters), carrying
+        the attributes Megatron's grad norm reads (TP duplicates, shared weights)."""
+        from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
+        from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
+
+        for group in self.optimizer.muon_groups:
+            masters = []
+            for param in group["params"]:
+                master = self.shard_map.master(param)
+                if master is None:
+                    continue
+                copy_tensor_model_parallel_attributes(master, param)
+                for attr in ("shared", "allreduce", GRAD_NORM_GROUP_ATTR):
+                    if hasattr(param, attr):
+                        setattr(master, attr, getattr(param, attr))
+                masters.append(master)
+            group["params"] = masters
 
     def _muon_step(self) -> MuonStep:
         """Everything the Muon step reads: this rank's messages of the plan, masters, state."""
@@ -250,10 +278,38 @@ class MuonDistributedOptimizer(DistributedOptimizer):
 
     def _copy_model_grads_to_main_grads(self) -> None:
         """Megatron's copy of the reduce-scattered grads into the masters' ``.grad``; the
-        CPU-offloaded masters take them through their device placeholder."""
+        CPU-offloaded masters take them through their device placeholder. Megatron-FSDP
+        has set each ``DTensor`` parameter's ``.grad`` to its gradient shard: a flat view
+        of it becomes the master's."""
+        if self.megatron_fsdp:
+            for shard in self.shard_map:
+                if shard.master is not None:
+                    grad = shard.param.grad
+                    shard.master.grad = local_flat(grad) if grad is not None else torch.zeros_like(shard.master)
+            return
         offload = self.masters_offload
         with offload.grads_assignable() if offload is not None else contextlib.nullcontext():
             super()._copy_model_grads_to_main_grads()
+
+    def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
+        if not self.megatron_fsdp:
+            return super()._collect_main_grad_data_for_unscaling()
+        params = (p for g in self.optimizer.param_groups for p in g["params"])
+        return [local_flat(p.grad) for p in params if p.grad is not None]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        """Megatron's master -> model copy; with Megatron-FSDP one copy covers the dense and
+        the expert parameters of a chunk, so the dense optimizer makes it."""
+        if self.megatron_fsdp and self.name != "dense":
+            return
+        super()._copy_main_params_to_model_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if self.megatron_fsdp:
+            for shard in self.shard_map:
+                if shard.master is not None:
+                    shard.master.grad = None
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -310,6 +366,14 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def start_param_sync(self) -> None:
         """Megatron's parameter all-gather after the update: synchronous here, unless DDP
         overlaps it with the next forward (``overlap_param_gather``)."""
+        if self.megatron_fsdp:
+            # Megatron-FSDP gathers (or, overlapping, prepares to gather) every parameter
+            # group of a chunk, dense and expert: once, from the dense optimizer.
+            if self.name == "dense":
+                with megatron_timer(self.config, "params-all-gather"):
+                    for chunk in self.model_chunks:
+                        chunk.start_param_sync()
+            return
         if self.ddp_config.overlap_param_gather:
             return
         with megatron_timer(self.config, "params-all-gather"):

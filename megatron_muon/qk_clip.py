@@ -30,6 +30,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .matrices import storage_shape
+
 
 @dataclass
 class ClipLayer:
@@ -224,7 +226,7 @@ class QKClip:
                 for param, factors in row_factors(layer, gamma, self.tconfig):
                     shard = shard_map[param]
                     if shard.master is not None:
-                        scale_rows_(shard.master, shard.start, shard.end, param.shape[1], factors)
+                        scale_rows_(shard.master, shard.start, shard.end, storage_shape(param)[1], factors)
 
     def layer_maxima(self) -> Dict[int, float]:
         """The last step's largest logit of each of this rank's layers (its heads on this TP

@@ -12,8 +12,10 @@ without one (both carry ``param_index_map`` and ``bucket_indices``).
 :class:`ShardMap` holds, per parameter of one optimizer: each DP rank's range of its flat
 (tensor-parallel-local) storage, this rank's range, and this rank's fp32 master of that
 range (Megatron's ``shard_fp32_from_float16_groups`` / ``shard_fp32_groups`` tensor, 1-D).
-The planner, the step, QK-Clip, checkpoints and the CPU offload read it. Its provider today
-is Megatron's ``DistributedOptimizer`` over DDP buffers (:meth:`ShardMap.from_distributed_optimizer`).
+The planner, the step, QK-Clip, checkpoints and the CPU offload read it. It has two
+providers: Megatron's ``DistributedOptimizer`` over DDP buffers
+(:meth:`ShardMap.from_distributed_optimizer`) and Megatron-FSDP's buffers
+(:meth:`ShardMap.from_megatron_fsdp`), whose shards follow the same rule.
 """
 
 from __future__ import annotations
@@ -95,6 +97,25 @@ class ShardMap:
                 ranges = tuple(dp_ranges_in_layout(buffer, param, size))
                 shards.append(ParamShard(param, ranges, rank, masters.get(id(param))))
         return cls(shards, optimizer.buffers)
+
+    @classmethod
+    def from_megatron_fsdp(
+        cls, model_chunks: Sequence[torch.nn.Module], params: Sequence[torch.nn.Parameter]
+    ) -> "ShardMap":
+        """From Megatron-FSDP-wrapped chunks, for the optimizer parameters ``params`` (the
+        ``DTensor``s Megatron-FSDP registers): each DP rank's range from Megatron-FSDP's shard
+        index, and as this rank's master a flat view of its main-weight shard."""
+        from .megatron_fsdp import local_flat, shard_ranges
+
+        wanted = {id(p) for p in params}
+        shards = []
+        for chunk in model_chunks:
+            for param, ranges, dp_rank, _ in shard_ranges(chunk):
+                if id(param) in wanted:
+                    start, end = ranges[dp_rank]
+                    master = local_flat(param) if end > start else None
+                    shards.append(ParamShard(param, ranges, dp_rank, master))
+        return cls(shards)
 
     def __getitem__(self, param: torch.nn.Parameter) -> ParamShard:
         return self._shards[id(param)]

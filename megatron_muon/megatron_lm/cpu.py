@@ -4,7 +4,8 @@ GPU (gloo, the CPU) and from a wheel.
 * Megatron-core assumes a GPU in a handful of places (buffer placement via
   ``torch.cuda.current_device()``, CUDA streams and events, the tensor-parallel RNG
   tracker, literal ``device='cuda'`` and ``param.type() == 'torch.cuda.FloatTensor'``
-  checks in the distributed optimizer), plus two Megatron bugs that only show without
+  checks in the distributed optimizer, Megatron-FSDP's ``"cuda:<index>"`` device string),
+  plus two Megatron bugs that only show without
   transformer-engine/Apex (torch AdamW's per-param ``step`` breaks building the state dict
   a fresh optimizer loads into, and loading a reshardable distributed-optimizer
   checkpoint). :func:`install_cpu_patches` replaces exactly those with CPU stand-ins,
@@ -162,6 +163,31 @@ def _sharded_state_dict_loadable(self: Any, *args: Any, **kwargs: Any) -> Any:
     return _INSTALLED_ORIGINALS["sharded_state_dict"](self, *args, **kwargs)
 
 
+@contextlib.contextmanager
+def _cuda_device_index_zero():
+    """``torch.cuda.current_device()`` answers 0 meanwhile (the patched one answers
+    ``"cpu"``, which ``f"cuda:{torch.cuda.current_device()}"`` turns into ``"cuda:cpu"``)."""
+    patched = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = patched
+
+
+def _fsdp_on_cpu(original: Any) -> Any:
+    """Megatron-FSDP's ``FullyShardedDataParallel.__init__`` (and the ``MegatronFSDP`` it
+    builds) make ``torch.device(f"cuda:{torch.cuda.current_device()}")`` whatever device is
+    passed: build it for the CPU, with that string evaluable."""
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, device: Any = None, **kwargs: Any) -> None:
+        with _cuda_device_index_zero():
+            original(self, *args, device=device if device is not None else torch.device("cpu"), **kwargs)
+
+    return __init__
+
+
 def _patch(obj: Any, name: str, value: Any) -> None:
     key = f"{id(obj)}.{name}"
     if key not in _INSTALLED:
@@ -217,6 +243,12 @@ def install_cpu_patches() -> None:
     if not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
         _INSTALLED_ORIGINALS.setdefault("sharded_state_dict", DistributedOptimizer.sharded_state_dict)
         _patch(DistributedOptimizer, "sharded_state_dict", _sharded_state_dict_loadable)
+
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    _patch(FullyShardedDataParallel, "__init__", _fsdp_on_cpu(FullyShardedDataParallel.__init__))
+    # It then warns on every rank that the module's device (cpu) is not cuda:0.
+    logging.getLogger("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp").setLevel(logging.ERROR)
 
     mode = CudaToCpuMode()
     mode.__enter__()

@@ -334,6 +334,75 @@ def wrap_ddp(
     ]
 
 
+def wrap_megatron_fsdp(
+    chunks: List[torch.nn.Module], config, strategy: str = "optim_grads_params", **ddp_overrides
+) -> List[torch.nn.Module]:
+    """Wrap chunks in Megatron-FSDP (``FullyShardedDataParallel``) with the sharding
+    ``strategy``, as Megatron-LM's ``get_model`` does with ``--use-megatron-fsdp``.
+
+    fp32 main gradients (Megatron-FSDP's default is the parameter dtype, and it ignores
+    ``grad_reduce_in_fp32``), ``overlap_grad_reduce`` (its 'optim' sharding reduces twice
+    without it), no ``PREMUL_SUM`` on the CPU (gloo lacks it), and Megatron-FSDP's
+    accumulation fixed for one-rank groups (``megatron_muon.megatron_fsdp``)."""
+    from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+
+    from ..megatron_fsdp import fix_gradient_accumulation_on_single_rank_groups
+
+    fix_gradient_accumulation_on_single_rank_groups()
+    options = dict(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy,
+        overlap_grad_reduce=True,
+        megatron_fsdp_main_grads_dtype=torch.float32,
+        gradient_reduce_div_fusion=torch.cuda.is_available(),
+    )
+    options.update(ddp_overrides)
+    ddp_config = DistributedDataParallelConfig(**options)
+    return [FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in chunks]
+
+
+@torch.no_grad()
+def megatron_fsdp_weights(model: List[torch.nn.Module]) -> List[Dict[str, torch.Tensor]]:
+    """Every parameter of Megatron-FSDP-wrapped ``model``, whole (tensor-parallel local),
+    by its name in the chunk: all-gathered from the fp32 main-weight shards of the DP ranks
+    and cast to the parameter dtype, as Megatron-FSDP's parameter all-gather does."""
+    import torch.distributed as dist
+
+    from ..megatron_fsdp import local_flat, shard_ranges
+
+    out = []
+    for chunk in model:
+        chunk.start_param_sync(force_sync=True)  # no gather of its own still in flight
+        names = chunk.param_and_grad_buffer.param_to_name
+        weights = {}
+        for param, ranges, _, group in shard_ranges(chunk):
+            raw = param.orig_param
+            mine = torch.zeros(max(e - s for s, e in ranges), dtype=torch.float32)
+            local = local_flat(param)
+            mine[: local.numel()] = local
+            pieces = [torch.empty_like(mine) for _ in ranges]
+            dist.all_gather(pieces, mine, group=group)
+            full = torch.empty(raw.shape.numel(), dtype=torch.float32)
+            for (s, e), piece in zip(ranges, pieces):
+                full[s:e] = piece[: e - s]
+            weights[names[raw]] = full.view(raw.shape).to(raw.dtype)
+        out.append(weights)
+    return out
+
+
+@torch.no_grad()
+def gather_canonical_state_of_megatron_fsdp(model: List[torch.nn.Module], spec: TinyModelSpec) -> Dict[str, list]:
+    """``gather_canonical_state`` for a Megatron-FSDP-wrapped model: its weights loaded into
+    a fresh unwrapped copy (Megatron-FSDP's state-dict hooks return its own shards)."""
+    fresh = build_model_chunks(spec)
+    for chunk, weights in zip(fresh, megatron_fsdp_weights(model)):
+        for name, param in chunk.named_parameters():
+            param.copy_(weights[name])
+    return gather_canonical_state(fresh)
+
+
 def synthetic_batches(spec: TinyModelSpec, global_batch_size: int, num_steps: int, seed: int = 0) -> List[torch.Tensor]:
     """Token batches ``[global_batch_size, seq_length + 1]``, identical on every rank."""
     gen = torch.Generator().manual_seed(10_000 + seed)

@@ -58,14 +58,18 @@ def scheduler(optimizer, cfg):
     )
 
 
-def build(spec: M.TinyModelSpec, ddp: dict | None = None, **cfg_overrides):
-    """Model chunks, DDP-wrapped model, Muon optimizer and Megatron's scheduler."""
+def build(spec: M.TinyModelSpec, ddp: dict | None = None, fsdp: str | None = None, **cfg_overrides):
+    """Model chunks, DDP-wrapped model (Megatron-FSDP with sharding strategy ``fsdp``),
+    Muon optimizer and Megatron's scheduler."""
     from megatron_muon import get_muon_optimizer
 
     chunks = M.build_model_chunks(spec)
     M.canonical_init_(chunks, seed=0)
     cfg = muon_config(spec, **cfg_overrides)
-    model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg, **(ddp or {}))
+    if fsdp is not None:
+        model = M.wrap_megatron_fsdp(chunks, chunks[0].config, fsdp, **(ddp or {}))
+    else:
+        model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg, **(ddp or {}))
     opt = get_muon_optimizer(cfg, model)
     return chunks, model, opt, scheduler(opt, cfg)
 
@@ -96,11 +100,15 @@ def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
                 assert ok
                 sched.step(1)
                 losses.append(loss)
-        for chunk in model:  # with overlap_param_gather the last gather is still pending
-            chunk.start_param_sync(force_sync=True)
+        if overrides.get("fsdp"):
+            state = M.gather_canonical_state_of_megatron_fsdp(model, spec)
+        else:
+            for chunk in model:  # with overlap_param_gather the last gather is still pending
+                chunk.start_param_sync(force_sync=True)
+            state = M.gather_canonical_state(chunks)
         out[name] = dict(
             losses=losses,
-            state=M.gather_canonical_state(chunks),
+            state=state,
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             # The matrices this rank orthogonalizes (leads, when several ranks share one).
             computed=[j.matrix.name for o in opt.muon_optimizers for j in o.plan.jobs_owned_by(o.plan.group.rank)],
@@ -115,7 +123,7 @@ def reference(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
     batches = M.synthetic_batches(spec, GBS, steps)
     return {
         name: M.reference_train(
-            spec, muon_config(spec, **{k: v for k, v in overrides.items() if k != "ddp"}), batches, MBS
+            spec, muon_config(spec, **{k: v for k, v in overrides.items() if k not in ("ddp", "fsdp")}), batches, MBS
         )
         for name, overrides in variants.items()
     }

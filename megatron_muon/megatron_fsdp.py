@@ -1,0 +1,199 @@
+"""Megatron-FSDP (ZeRO-3) under the Muon optimizer: where each rank's shards are, what the
+optimizer requires of the wrapping, and one Megatron-FSDP defect it works around.
+
+Megatron-FSDP (``megatron.core.distributed.FullyShardedDataParallel``) packs the parameters
+of each *parameter group* (same dtype, dense or expert, one FSDP unit) into flat buffers
+for the compute weights, the fp32 main weights and the gradients, all with one index: the
+group's bucket is cut into ``dp_size`` equal contiguous shards and DP rank ``r`` keeps the
+``r``-th (of the main weights and optimizer state always; of the gradients with
+``optim_grads``; of the compute weights too with ``optim_grads_params``). That is the rule
+of the DDP buffers under Megatron's distributed optimizer, so Muon's plan, ownership and
+pipeline run unchanged on it: :func:`shard_ranges` evaluates Megatron-FSDP's own shard
+function for every rank, and ``ShardMap.from_megatron_fsdp`` takes this rank's fp32
+masters from the optimizer parameters Megatron-FSDP registers (``DTensor`` views of the
+main-weight shards). The main-weight buffer is the master, the main-grad shard its gradient.
+
+A parameter may start in one rank's shard and end in the next (Megatron-FSDP aligns items
+to the least common multiple of the group's row lengths, then packs): the Muon step moves
+those pieces over the FSDP group to the rank that orthogonalizes the matrix, as it does on
+Megatron's byte-level DDP layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+FlatRange = Tuple[int, int]
+
+STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
+"""The ``data_parallel_sharding_strategy`` values Muon runs on (``no_shard`` keeps every
+parameter whole on every rank: use DDP with the distributed optimizer instead)."""
+
+
+def is_megatron_fsdp(chunk: torch.nn.Module) -> bool:
+    """Whether a model chunk is wrapped in Megatron-FSDP."""
+    ddp_config = getattr(chunk, "ddp_config", None)
+    return bool(getattr(ddp_config, "use_megatron_fsdp", False)) and hasattr(chunk, "param_and_grad_buffer")
+
+
+def check_megatron_fsdp(ddp_config, where: str = "get_muon_optimizer") -> None:
+    """Refuse Megatron-FSDP settings under which the gradients Muon reads are wrong or
+    not sharded, naming the fix."""
+    strategy = ddp_config.data_parallel_sharding_strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"{where}: Megatron-FSDP with data_parallel_sharding_strategy={strategy!r} is not supported; use "
+            f"one of {', '.join(STRATEGIES)} (--data-parallel-sharding-strategy), or DDP with the distributed "
+            "optimizer (drop --use-megatron-fsdp) to keep parameters unsharded."
+        )
+    if strategy == "optim" and not ddp_config.overlap_grad_reduce:
+        # Megatron-FSDP 0.19 reduces 'optim' gradients twice without overlap: in the backward
+        # hook of the last micro-batch and again in finish_grad_sync (AdamW is hit too).
+        raise ValueError(
+            f"{where}: Megatron-FSDP's 'optim' sharding reduces gradients twice (wrong values) unless "
+            "DistributedDataParallelConfig.overlap_grad_reduce=True (--overlap-grad-reduce); set it."
+        )
+    if ddp_config.num_distributed_optimizer_instances != 1:
+        raise NotImplementedError(
+            f"{where}: Megatron-FSDP with num_distributed_optimizer_instances > 1 (HSDP) is not supported."
+        )
+    if getattr(ddp_config, "megatron_fsdp_main_params_dtype", torch.float32) is None:
+        raise ValueError(
+            f"{where}: Megatron-FSDP without main weights (megatron_fsdp_main_params_dtype=None) would step "
+            "the compute weights; keep megatron_fsdp_main_params_dtype=torch.float32 (--megatron-fsdp-main-params-dtype fp32)."
+        )
+
+
+def _shard_range(bucket_index, item_index, dp_size: int, dp_rank: int) -> FlatRange:
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        _get_dp_buffer_shard_bucket_index,
+    )
+
+    shard = _get_dp_buffer_shard_bucket_index(bucket_index, True, dp_size, dp_rank)
+    start, end = item_index.global_data_index, item_index.global_data_index + item_index.size
+    lo, hi = max(start, shard.global_data_index), min(end, shard.global_data_index + shard.size)
+    return (lo - start, hi - start) if hi > lo else (0, 0)
+
+
+def shard_ranges(chunk: torch.nn.Module) -> List[Tuple[torch.nn.Parameter, Tuple[FlatRange, ...], int, object]]:
+    """Every optimizer parameter of a Megatron-FSDP chunk, in buffer order: ``(param, each
+    DP rank's range of its flat (TP-local) storage, this rank's DP rank, the DP group)``.
+
+    ``param`` is the ``DTensor`` parameter Megatron-FSDP registers for the optimizer (the
+    module's parameter outside forward and backward)."""
+    buffer = chunk.param_and_grad_buffer
+    optimizer_params = dict(buffer.optimizer_named_parameters)
+    out = []
+    for group in buffer.parameter_groups:
+        main = group.main_weight_buffer
+        for item_id, raw in enumerate(group.params):
+            ranges = tuple(
+                _shard_range(main.bucket_index, main.item_index_map[item_id], main.dp_world_size, r)
+                for r in range(main.dp_world_size)
+            )
+            param = optimizer_params[buffer.param_to_name[raw]]
+            held = main.get_item(item_id, only_shard=True).numel()
+            mine = ranges[main.dp_rank]
+            if held != mine[1] - mine[0]:
+                raise RuntimeError(
+                    f"Megatron-FSDP shard of {buffer.param_to_name[raw]} holds {held} elements on DP rank "
+                    f"{main.dp_rank} but its shard index says {mine}: this megatron-core's layout is not the one "
+                    "megatron_muon was written against."
+                )
+            out.append((param, ranges, main.dp_rank, main.data_parallel_group))
+    return out
+
+
+def local_flat(param: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a Megatron-FSDP ``DTensor`` (parameter or gradient), flat: a
+    view, so writing it writes the main-weight buffer."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.detach().view(-1)
+
+
+CARRIED_ATTRIBUTES = ("allreduce", "shared", "sequence_parallel")
+
+
+def carry_parameter_attributes(chunks: Sequence[torch.nn.Module]) -> None:
+    """Give Megatron-FSDP's ``DTensor`` parameters the attributes of the module parameters
+    they stand for that Megatron's optimizer code reads: Megatron-FSDP copies the
+    tensor-parallel ones but not ``allreduce`` (False marks expert-parallel parameters: the
+    parameter groups and the grad norm's duplicate filter read it)."""
+    for chunk in chunks:
+        for _, param in chunk.param_and_grad_buffer.optimizer_named_parameters:
+            raw = getattr(param, "orig_param", None)
+            for attr in CARRIED_ATTRIBUTES:
+                if raw is not None and hasattr(raw, attr) and not hasattr(param, attr):
+                    setattr(param, attr, getattr(raw, attr))
+
+
+def dp_groups(chunks: Sequence[torch.nn.Module]) -> Dict[bool, object]:
+    """{is_expert: the FSDP data-parallel group} of the chunks' parameter groups."""
+    groups = {}
+    for chunk in chunks:
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            groups.setdefault(bool(group.is_expert_param), group.main_weight_buffer.data_parallel_group)
+    return groups
+
+
+# --------------------------------------------------------------------------------------
+# A Megatron-FSDP defect (megatron-core 0.19.2, any device)
+# --------------------------------------------------------------------------------------
+
+_FIXED: Dict[str, object] = {}
+
+
+def fix_gradient_accumulation_on_single_rank_groups() -> None:
+    """Make Megatron-FSDP accumulate micro-batch gradients right where a data-parallel group
+    has one rank (expert parameters with ``expert_model_parallel_size`` equal to the DP size).
+
+    Under ``optim_grads`` / ``optim_grads_params`` Megatron-FSDP reduces the gradient after
+    every micro-batch and scales the bucket by ``1/dp`` before the reduction. A main-grad
+    buffer of a one-rank group is built unsharded, so its bucket is the accumulated gradient
+    itself and earlier micro-batches are scaled again at every later one (two micro-batches
+    give ``g1/4 + g2/2`` instead of ``(g1 + g2)/2``). Built as "distributed" (a one-rank shard
+    is the whole bucket), each micro-batch's gradient goes through a temporary bucket and is
+    added, as on larger groups. Call before wrapping with ``FullyShardedDataParallel``
+    (``get_muon_optimizer`` refuses chunks built without it); idempotent."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    if "DataParallelBuffer" in _FIXED:
+        return
+    original = pgb.DataParallelBuffer.__init__
+    _FIXED["DataParallelBuffer"] = original
+
+    @functools.wraps(original)
+    def __init__(self, ddp_config, params, is_data_distributed, bucket_id, *args, **kwargs):
+        group = kwargs.get("data_parallel_group")
+        if (
+            not is_data_distributed
+            and kwargs.get("gradient_scaling_factor") is not None  # main-grad buffers only
+            and ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
+            and group is not None
+            and group.size() == 1
+        ):
+            is_data_distributed = True
+        original(self, ddp_config, params, is_data_distributed, bucket_id, *args, **kwargs)
+
+    pgb.DataParallelBuffer.__init__ = __init__
+
+
+def check_single_rank_groups(chunks: Sequence[torch.nn.Module], where: str = "get_muon_optimizer") -> None:
+    """Refuse chunks whose gradients Megatron-FSDP accumulates wrong (see
+    :func:`fix_gradient_accumulation_on_single_rank_groups`)."""
+    for chunk in chunks:
+        if chunk.ddp_config.data_parallel_sharding_strategy not in ("optim_grads", "optim_grads_params"):
+            continue
+        for group in chunk.param_and_grad_buffer.parameter_groups:
+            grads = group.main_grad_buffer
+            if grads is not None and grads.dp_world_size == 1 and not grads.is_data_distributed:
+                raise ValueError(
+                    f"{where}: Megatron-FSDP built an unsharded gradient buffer for a one-rank data-parallel "
+                    "group (expert_model_parallel_size equal to the data-parallel size): it scales earlier "
+                    "micro-batches' gradients again at every later one. Call "
+                    "megatron_muon.megatron_fsdp.fix_gradient_accumulation_on_single_rank_groups() before "
+                    "wrapping the model in FullyShardedDataParallel."
+                )

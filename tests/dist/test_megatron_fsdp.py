@@ -1,0 +1,125 @@
+"""Muon on Megatron-FSDP (ZeRO-3), on real Megatron-core GPT models (CPU, gloo): every
+sharding strategy against the single-process reference (dense GQA and MLA with QK-Clip,
+tensor parallelism, MoE experts), a bf16 model against the same run on DDP, and the checks
+that refuse what Megatron-FSDP would get wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_muon.megatron_fsdp import STRATEGIES
+from megatron_muon.testing import run_distributed
+from megatron_muon.testing import models as M
+from tests.helpers.training import max_rel_err, reference, train
+
+QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: heads are clipped at every step
+MODELS = {
+    "gqa": dict(kind="gqa", extra=QK),
+    "mla": dict(kind="mla", extra=QK),
+    "moe": dict(kind="moe"),
+}
+FSDP = {strategy: dict(fsdp=strategy) for strategy in STRATEGIES}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return run_distributed(_references, 1, timeout_s=300)[0]
+
+
+def _references():
+    return {kind: reference(spec, {"fp32": {}})["fp32"] for kind, spec in MODELS.items()}
+
+
+LAYOUTS = [
+    pytest.param("gqa", 2, {}, id="GQA-DP2"),
+    pytest.param("gqa", 4, dict(tp=2), id="GQA-DP2xTP2"),
+    pytest.param("moe", 4, dict(ep=2), id="MoE-EP2xDP2"),
+    pytest.param("moe", 2, dict(ep=2), id="MoE-EP2"),
+    pytest.param("mla", 2, {}, id="MLA-DP2"),
+]
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("kind,world,layout", LAYOUTS)
+def test_every_sharding_strategy_equals_reference(references, kind, world, layout):
+    """Exact Newton–Schulz on whole matrices whose pieces lie in FSDP shards (QK-Clip on the
+    sharded fp32 masters): each strategy's weights after 3 steps equal the reference's."""
+    results = run_distributed(train, world, MODELS[kind], FSDP, timeout_s=450, **layout)
+    ref = M.merge_canonical_states([references[kind][1]])
+    for strategy in FSDP:
+        full = M.merge_canonical_states([r[strategy]["state"] for r in results])
+        err, key = max_rel_err(full, ref, "fro")
+        assert err <= 1e-5, f"{strategy}: {key} differs from the reference by {err:.2e}"
+    # Matrices cross FSDP shards, so their pieces travel over the FSDP (data-parallel) group.
+    assert any(r["optim_grads_params"]["traffic"].get("all_to_all", 0) > 0 for r in results)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world,layout", [pytest.param(2, {}, id="GQA-DP2"), pytest.param(4, dict(ep=2), id="MoE-EP2xDP2")])
+def test_bf16_model_equals_the_distributed_optimizer_run(world, layout):
+    """A bf16 model with fp32 masters (fp32 main gradients): Megatron-FSDP gives the losses
+    and weights of the DistributedOptimizer run, which tests/dist/test_mixed_precision_reference.py
+    checks step by step against the reference. Not bitwise: 'optim' reduces the accumulated
+    gradient once, the others each micro-batch's, so sums differ in the last bit (6e-11 seen),
+    and AdamW's first steps turn that into sign flips of near-zero embedding updates (4.6e-3
+    relative on the embedding seen): the bf16 tolerance of tests/dist/test_optimizer.py."""
+    spec = dict(MODELS["gqa" if not layout else "moe"], bf16=True)
+    results = run_distributed(train, world, spec, {"ddp": {}, **FSDP}, timeout_s=350, **layout)
+    ddp = M.merge_canonical_states([r["ddp"]["state"] for r in results])
+    for strategy in FSDP:
+        full = M.merge_canonical_states([r[strategy]["state"] for r in results])
+        err, key = max_rel_err(full, ddp, "fro")
+        assert err <= 2e-2, f"{strategy}: {key} differs from the DistributedOptimizer run by {err:.2e}"
+        assert results[0][strategy]["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=1e-5)
+
+
+def _refusals():
+    """Each refused setting's message, built on one rank (EP == DP makes a one-rank group)."""
+    import megatron_muon.megatron_fsdp as F
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
+
+    from megatron_muon import get_muon_optimizer
+    from tests.helpers.training import muon_config
+
+    out = {}
+    spec = M.TinyModelSpec(kind="gqa")
+    cases = {
+        "no_shard": ("no_shard", {}, {}),
+        "optim without overlap": ("optim", dict(overlap_grad_reduce=False), {}),
+        "offload": ("optim_grads_params", {}, dict(muon_cpu_offload=True)),
+    }
+    for name, (strategy, ddp, cfg) in cases.items():
+        chunks = M.build_model_chunks(spec)
+        model = M.wrap_megatron_fsdp(chunks, chunks[0].config, strategy, **ddp)
+        try:
+            get_muon_optimizer(muon_config(spec, **cfg), model)
+            out[name] = "built"
+        except (ValueError, NotImplementedError) as e:
+            out[name] = str(e)
+    # Without the fix, a one-rank group's gradient buffer is unsharded: refused.
+    fixed = pgb.DataParallelBuffer.__init__
+    pgb.DataParallelBuffer.__init__ = F._FIXED["DataParallelBuffer"]
+    try:
+        chunks = M.build_model_chunks(spec)
+        from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
+
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, use_megatron_fsdp=True, overlap_grad_reduce=True,
+            data_parallel_sharding_strategy="optim_grads_params", gradient_reduce_div_fusion=False,
+        )  # fmt: skip
+        model = [FullyShardedDataParallel(config=chunks[0].config, ddp_config=ddp_config, module=chunks[0])]
+        get_muon_optimizer(muon_config(spec), model)
+        out["single rank"] = "built"
+    except ValueError as e:
+        out["single rank"] = str(e)
+    finally:
+        pgb.DataParallelBuffer.__init__ = fixed
+    return out
+
+
+def test_refusals_name_the_fix():
+    out = run_distributed(_refusals, 1, timeout_s=200)[0]
+    assert "data_parallel_sharding_strategy='no_shard' is not supported" in out["no_shard"]
+    assert "overlap_grad_reduce=True (--overlap-grad-reduce)" in out["optim without overlap"]
+    assert "CPU offload" in out["offload"]
+    assert "fix_gradient_accumulation_on_single_rank_groups()" in out["single rank"]
