@@ -41,7 +41,8 @@ def is_megatron_fsdp(chunk: torch.nn.Module) -> bool:
 
 def check_megatron_fsdp(ddp_config, where: str = "get_muon_optimizer") -> None:
     """Refuse Megatron-FSDP settings under which the gradients Muon reads are wrong or
-    not sharded, naming the fix."""
+    not sharded, naming the fix. ``ddp_config``: a ``DistributedDataParallelConfig`` or
+    Megatron-LM's arguments (same names)."""
     strategy = ddp_config.data_parallel_sharding_strategy
     if strategy not in STRATEGIES:
         raise ValueError(
@@ -57,7 +58,7 @@ def check_megatron_fsdp(ddp_config, where: str = "get_muon_optimizer") -> None:
             "DistributedDataParallelConfig.overlap_grad_reduce=True (--overlap-grad-reduce); set it."
         )
     if ddp_config.num_distributed_optimizer_instances != 1:
-        raise NotImplementedError(
+        raise ValueError(
             f"{where}: Megatron-FSDP with num_distributed_optimizer_instances > 1 (HSDP) is not supported."
         )
     if getattr(ddp_config, "megatron_fsdp_main_params_dtype", torch.float32) is None:

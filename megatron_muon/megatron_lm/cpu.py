@@ -356,13 +356,25 @@ def no_device_architecture() -> None:
     """``validate_args`` asks the GPU's architecture (``get_device_arch_version``) with TP or
     CP > 1, only to choose a performance warning; without a GPU the answer is 0. The same
     check then requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (an ordering of GPU kernels, moot
-    here): set it unless set."""
+    here) and Megatron-FSDP requires it unset or > 1: set it, unless set, when validation
+    starts without Megatron-FSDP. Gloo has no ``PREMUL_SUM``: no gradient-reduce division
+    fusion."""
     import megatron.training.arguments as arguments
 
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if "get_device_arch_version" not in _APPLIED:
         _APPLIED["get_device_arch_version"] = arguments.get_device_arch_version
         arguments.get_device_arch_version = lambda: 0
+        original = arguments.validate_args
+
+        @functools.wraps(original)
+        def validate_args(args, *a, **kw):
+            if not (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)):
+                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+            # Megatron-FSDP divides gradients inside the reduction (ReduceOp.PREMUL_SUM): NCCL only.
+            args.gradient_reduce_div_fusion = False
+            return original(args, *a, **kw)
+
+        arguments.validate_args = validate_args
 
 
 def quiet_cpu_rng_warning() -> None:

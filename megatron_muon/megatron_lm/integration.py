@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_muon.config import SCALAR_OPTIMIZERS, SCALE_MODES, TP_MODES, MuonConfig
 from megatron_muon.factory import get_muon_optimizer
+from megatron_muon.megatron_fsdp import check_megatron_fsdp, fix_gradient_accumulation_on_single_rank_groups
 
 from . import muon_args
 
@@ -165,8 +166,10 @@ def check_supported(args: argparse.Namespace) -> None:
             "needs --use-distributed-optimizer (its state is sharded "
             "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon",
         ),
-        (on("use_megatron_fsdp"), "does not support Megatron FSDP: drop --use-megatron-fsdp"),
-        (on("use_torch_fsdp2"), "does not support Torch FSDP2: drop --use-torch-fsdp2"),
+        (
+            on("use_torch_fsdp2"),
+            "does not support Torch FSDP2 (nor does Megatron-LM's distributed optimizer): use --use-megatron-fsdp",
+        ),
         (
             on("optimizer_cpu_offload") and not on("muon_cpu_offload"),
             "offloads with --optimizer-cpu-offload "
@@ -190,6 +193,8 @@ def check_supported(args: argparse.Namespace) -> None:
     for bad, why in problems:
         if bad:
             raise ValueError(f"megatron_muon (--optimizer muon --muon-impl megatron_muon) {why}.")
+    if on("use_megatron_fsdp"):
+        check_megatron_fsdp(args, where="megatron_muon (--optimizer muon --use-megatron-fsdp)")
 
 
 def _check_megatron_choices(args: argparse.Namespace) -> None:
@@ -482,6 +487,8 @@ def use_megatron_muon(
         from .expert_bias import expert_bias_patches  # a skipped step leaves the router's bias too
 
         patches += expert_bias_patches(training_module)
+        # A Megatron-FSDP defect fix, for every optimizer; kept when the rest is undone.
+        fix_gradient_accumulation_on_single_rank_groups()
 
     def undo() -> None:
         """Restore Megatron-LM's functions (those still carrying our wrapper)."""

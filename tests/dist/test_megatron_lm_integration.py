@@ -33,6 +33,10 @@ def add_megatron_like_arguments(p: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--optimizer-cpu-offload", action="store_true")
     p.add_argument("--use-megatron-fsdp", action="store_true")
+    p.add_argument("--use-torch-fsdp2", action="store_true")
+    p.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
     p.add_argument("--save", default=None)
     p.add_argument("--ckpt-format", default="torch_dist")
     p.add_argument("--muon-momentum", type=float, default=0.9)
@@ -174,7 +178,11 @@ def test_patches_install_route_and_uninstall(monkeypatch):
     (["--optimizer", "muon"], "--use-distributed-optimizer"),
     (["--optimizer", "dist_muon", "--use-distributed-optimizer"], "dist_muon is deprecated"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--optimizer-cpu-offload"], "--muon-cpu-offload"),
-    (["--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp"], "--use-megatron-fsdp"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--use-torch-fsdp2"], "use --use-megatron-fsdp"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+      "no_shard"], "'no_shard' is not supported"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+      "optim"], "--overlap-grad-reduce"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--save", "d", "--ckpt-format", "torch"],
      "--ckpt-format torch_dist"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--muon-scalar-optimizer", "lion"],
