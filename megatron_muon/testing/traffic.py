@@ -50,7 +50,9 @@ def _reduce_scatter(output, input, *a, group=None, **k) -> int:
     return (n - 1) * _nbytes(input) // n
 
 
-def _all_gather(output, input, *a, group=None, **k) -> int:
+def _all_gather(output=None, input=None, *a, group=None, output_tensor=None, **k) -> int:
+    # all_gather_into_tensor names them output_tensor / input_tensor (Megatron-FSDP passes keywords).
+    output = output if output is not None else output_tensor
     n = _group_size(group if group is not None else (a[0] if a else None))
     return (n - 1) * _nbytes(output) // n
 

@@ -146,6 +146,7 @@ def _time_peers(
                 train_bytes=dict(train_traffic.bytes),
                 train_groups=dict(train_traffic.by_group),
                 memory=peers.optimizer_state_bytes(opt),
+                held=peers.held_bytes(model, opt),
                 residency=peers.muon_state_residency(opt),
             )
         del built
@@ -223,7 +224,7 @@ def rank_main(
     )
     want_grads = True
     for name in names:
-        if peers.is_muon_peer(name):
+        if peers.is_muon_peer(name) and not peers.is_fsdp_peer(name):  # the probe reads whole TP pieces
             out["probe"][name] = _probe_peer(name, spec, tokens, mbs, probe_layers, want_grads, chunk_numel)
             want_grads = False  # the same model and batch: the gradient is the same for all
             gc.collect()
@@ -330,6 +331,8 @@ def summarize(ranks: List[Dict[str, Any]], names: List[str]) -> Dict[str, Dict[s
             step_bytes=bytes_of("step_bytes"),
             train_bytes=train_bytes,
             memory_per_rank=[r["memory"] for r in per_rank],
+            held_per_rank=[r["held"] for r in per_rank],
+            held_max={k: max(r["held"][k] for r in per_rank) for k in per_rank[0]["held"]},
             memory_max=max(memory),
             memory_mean=sum(memory) / world,
         )
@@ -439,7 +442,14 @@ def markdown(data: Dict[str, Any]) -> str:
     by_group = common.md_table(
         ["optimizer", "DP-group bytes", "total bytes"] + list(GROUP_KINDS) + ["other"], group_rows
     )
-    targets = targets_table(results)
+    held = common.md_table(
+        ["optimizer", "parameters", "gradients", "optimizer state", "total"],
+        [
+            [r["label"]] + [common.human_bytes(r["held_max"][k]) for k in ("params", "grads", "optimizer", "total")]
+            for r in results.values()
+        ],
+    )
+    targets = targets_table(results, lay["dp"])
     residency = residency_table(results)
     return (
         f"{head}\n\n{main}\n\nErrors are distances between unit-norm directions, "
@@ -453,6 +463,10 @@ def markdown(data: Dict[str, Any]) -> str:
         "\nBytes sent per train step per rank (mean over ranks), by the process group they travel in "
         "(DP-group bytes = dp + expert_dp):\n\n"
         + by_group
+        + "\n"
+        + "\nHeld per rank between steps (max over ranks): model parameters, gradients, optimizer state "
+        "(fp32 masters + moments):\n\n"
+        + held
         + "\n"
         + (f"\nThe project's targets, from this run:\n\n{targets}\n" if targets else "")
         + (
@@ -474,7 +488,7 @@ TARGETS = (
 )
 
 
-def targets_table(results: Dict[str, Any]) -> str:
+def targets_table(results: Dict[str, Any], dp: int = 1) -> str:
     """The targets (bytes per train step vs AdamW and vs Megatron's duplicated Muon; step
     time vs Megatron's blockwise Muon) as measured ratios, met or not."""
 
@@ -500,7 +514,50 @@ def targets_table(results: Dict[str, Any]) -> str:
                 "met" if ratio <= limit else "NOT met",
             ]
         )
+    rows += _fsdp_target_rows(results, dp)
     return common.md_table(["measure", "ratio", "target", ""], rows) if rows else ""
+
+
+def _fsdp_target_rows(results: Dict[str, Any], dp: int) -> List[list]:
+    """Megatron-FSDP's targets (issue 26): what ours holds and sends on Megatron-FSDP against
+    Megatron-FSDP + AdamW, and against the DistributedOptimizer path."""
+    ours, adamw = results.get("ours_exact_fsdp"), results.get("megatron_adamw_fsdp")
+    if ours is None or adamw is None:
+        return []
+
+    def dp_bytes(r):
+        groups = r["train_bytes"].get("per_group_mean", {})
+        return groups.get("dp", 0) + groups.get("expert_dp", 0)
+
+    def row(label, ratio):
+        return [label, ratio, "<= 1", "met" if ratio <= 1 else "NOT met"]
+
+    out = [
+        row(
+            f"parameters + gradients + optimizer state per rank: {ours['label']} / {adamw['label']}",
+            ours["held_max"]["total"] / adamw["held_max"]["total"],
+        )
+    ]
+    ddp = results.get("ours_exact")
+    if ddp is not None:
+        held = lambda r: r["held_max"]["params"] + r["held_max"]["grads"]  # noqa: E731
+        out.append(
+            row(
+                f"parameters + gradients per rank: {ours['label']} / ({ddp['label']} / DP{dp})",
+                held(ours) * dp / held(ddp),
+            )
+        )
+    base = results.get(peers.BASELINE)
+    if ddp is not None and base is not None:
+        tp = lambda r: r["train_bytes"].get("per_group_mean", {}).get("tp", 0)  # noqa: E731
+        bound = tp(ddp) - tp(base)  # the exact update's TP bytes on the owner-aligned DDP path
+        out.append(
+            row(
+                f"DP-group bytes per train step: {ours['label']} / ({adamw['label']} + TP lower bound {int(bound)})",
+                dp_bytes(ours) / (dp_bytes(adamw) + bound),
+            )
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -590,7 +647,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         mbs=args.mbs,
         muon_chunk_numel=args.muon_chunk_numel,
         peers=summarize(ranks, names),
-        errors=orthogonalization_errors(ranks, device) if any(peers.is_muon_peer(n) for n in names) else {},
+        errors=orthogonalization_errors(ranks, device) if any(r["probe"] for r in ranks) else {},
     )
     data["wall_s"] = time.perf_counter() - started
     return data

@@ -14,9 +14,12 @@ clipping):
 * ``ours_<mode>`` - ``megatron_muon.get_muon_optimizer`` in its TP modes ``exact``,
   ``blockwise`` and ``duplicated``; ``ours_exact_offload`` is exact with
   ``muon_cpu_offload`` (the momentum in a CPU pool, streamed to the device per chunk) and
-  Megatron's ``optimizer_cpu_offload`` (the Muon matrices' fp32 masters in a CPU pool).
+  Megatron's ``optimizer_cpu_offload`` (the Muon matrices' fp32 masters in a CPU pool);
+* ``megatron_adamw_fsdp`` and ``ours_exact_fsdp`` - the same two on Megatron-FSDP with
+  ``optim_grads_params`` (ZeRO-3: parameters, gradients and optimizer state sharded over DP).
 
-Measurements: optimizer-state bytes per rank, collective bytes (``count_traffic``), and
+Measurements: optimizer-state bytes per rank, parameters + gradients + optimizer state
+held per rank (``held_bytes``), collective bytes (``count_traffic``), and
 the gradient each rank contributed before DDP reduced it (``capture_local_grads``), from
 which the parent rebuilds every full gradient matrix for the orthogonalization error.
 """
@@ -39,6 +42,8 @@ PEERS = (
     "ours_duplicated",
     "ours_exact_offload",
     "ours_exact_megatron_layout",
+    "megatron_adamw_fsdp",
+    "ours_exact_fsdp",
 )
 BASELINE = "megatron_adamw"
 
@@ -52,7 +57,11 @@ LABELS = {
     "ours_duplicated": "megatron_muon, duplicated",
     "ours_exact_offload": "megatron_muon, exact + CPU offload",
     "ours_exact_megatron_layout": "megatron_muon, exact, Megatron's byte-level buffers",
+    "megatron_adamw_fsdp": "Megatron-FSDP + AdamW",
+    "ours_exact_fsdp": "megatron_muon, exact, on Megatron-FSDP",
 }
+FSDP_STRATEGY = "optim_grads_params"
+"""Megatron-FSDP peers shard parameters, gradients and optimizer state (ZeRO-3)."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,11 @@ def have_megatron_muon() -> bool:
 
 
 def is_muon_peer(name: str) -> bool:
-    return name != BASELINE
+    return not name.startswith("megatron_adamw")
+
+
+def is_fsdp_peer(name: str) -> bool:
+    return name.endswith("_fsdp")
 
 
 def _tp_mode(name: str) -> str:
@@ -162,6 +175,8 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         layout = "megatron" if name.endswith("_megatron_layout") else "owner_aligned"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
         offload = name.endswith("_offload")
+        if is_fsdp_peer(name):
+            layout, offload = "megatron", False
         cfg = MuonConfig(
             muon_tp_mode=_tp_mode(name),
             muon_momentum=hyper.momentum,
@@ -172,8 +187,14 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
             **chunking,
             **common,
         )
-        model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg)
+        if is_fsdp_peer(name):
+            model = M.wrap_megatron_fsdp(chunks, chunks[0].config, FSDP_STRATEGY)
+        else:
+            model = M.wrap_ddp(chunks, chunks[0].config, muon_config=cfg)
         opt = get_muon_optimizer(cfg, model)
+    elif name == "megatron_adamw_fsdp":
+        model = M.wrap_megatron_fsdp(chunks, chunks[0].config, FSDP_STRATEGY)
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common), model)
     elif name == BASELINE:
         model = M.wrap_ddp(chunks, chunks[0].config)
         opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", use_distributed_optimizer=True, **common), model)
@@ -217,12 +238,45 @@ def optimizer_state_bytes(opt) -> Dict[str, int]:
         for group in inner.param_groups:
             for p in group["params"]:
                 if p.dtype == torch.float32:
-                    add("master", p)
+                    add("master", _local(p))
         for state in inner.state.values():
             for value in state.values():
                 if torch.is_tensor(value):
-                    add("state", value)
+                    add("state", _local(value))
     out["total"] = out["state"] + out["master"]
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a Megatron-FSDP ``DTensor``'s local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _nbytes(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def held_bytes(model, opt) -> Dict[str, int]:
+    """What this rank holds between steps: model parameters (the compute weights: full under
+    DDP, this rank's shard under Megatron-FSDP ``optim_grads_params``), gradients (DDP's grad
+    buffer, Megatron-FSDP's main-grad shards) and optimizer state (fp32 masters + moments,
+    :func:`optimizer_state_bytes`)."""
+    from megatron_muon.megatron_fsdp import is_megatron_fsdp
+
+    out = dict(params=0, grads=0)
+    for chunk in model:
+        if is_megatron_fsdp(chunk):
+            for group in chunk.param_and_grad_buffer.parameter_groups:
+                weights, grads = group.model_weight_buffer, group.main_grad_buffer
+                out["params"] += _nbytes(getattr(weights, "data", None))
+                out["grads"] += _nbytes(getattr(grads, "data", None))
+        else:
+            for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+                params = buffer.param_data
+                out["params"] += _nbytes(params) if params is not None else sum(_nbytes(p) for p in buffer.params)
+                out["grads"] += _nbytes(buffer.grad_data)
+    out["optimizer"] = optimizer_state_bytes(opt)["total"]
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
 
