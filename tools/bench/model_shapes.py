@@ -12,6 +12,7 @@ which is the order DDP lays buffers out in. No memory is allocated.
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
@@ -328,3 +329,59 @@ def buffer_layouts(
     return cls.compute_full_param_layout(
         plist, bucket_size, dp, ddp_config(grad_reduce_in_fp32), expert_data_parallel_world_size=edp
     )
+
+
+_FSDPBufferKey = namedtuple("_FSDPBufferKey", "is_expert_parallel is_managed_by_layer_wise_optimizer")
+
+
+class _FSDPUnit(torch.nn.Module):
+    """A decoder layer: the unit Megatron-FSDP gathers whole with ``optim_grads_params``."""
+
+
+def fsdp_layouts(params: List[StageParam], dp: int, edp: int):
+    """Megatron-FSDP's buffer index of the stage's (meta) params with ``optim_grads_params``,
+    from Megatron-FSDP's own grouping (``_get_parameter_groups``: per decoder layer, dtype and
+    expert-or-not, items sorted and aligned by row length) and index
+    (``build_data_parallel_buffer_index``), in the shape of ``buffer_layouts``' result: per
+    dense / expert key a layout with ``param_index_map`` and ``bucket_indices`` (one bucket
+    per parameter group, cut into DP equal shards as Megatron-FSDP cuts it)."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        BucketingPolicy,
+        _get_parameter_groups,
+        build_data_parallel_buffer_index,
+    )
+
+    root = torch.nn.Module()
+    for sp in params:
+        parent = root
+        *path, leaf = sp.name.split(".")
+        for i, part in enumerate(path):
+            if not hasattr(parent, part):
+                unit = path[i - 1 : i] == ["layers"] and path[i - 2 : i - 1] == ["decoder"]
+                parent.add_module(part, _FSDPUnit() if unit else torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.register_parameter(leaf, sp.param)
+    policy = BucketingPolicy(
+        suggested_bucket_size=None, fsdp_unit_modules=[_FSDPUnit], data_parallel_sharding_strategy="optim_grads_params"
+    )
+    groups, _, _ = _get_parameter_groups(root, policy, {})
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, use_megatron_fsdp=True, data_parallel_sharding_strategy="optim_grads_params"
+    )
+    layouts: Dict[bool, SimpleNamespace] = {}
+    for bucket_id, group in enumerate(groups):
+        expert = bool(group.is_expert_param)
+        layout = layouts.setdefault(expert, SimpleNamespace(param_index_map={}, bucket_indices=[], numel=0))
+        items, bucket, _ = build_data_parallel_buffer_index(
+            [p.shape for p in group.params], 0, edp if expert else dp, True, config, bucket_id, group.chunk_size_factor
+        )
+        offset = layout.numel - bucket.global_data_index
+        for item_id, param in enumerate(group.params):
+            start = offset + items[item_id].global_data_index
+            item = items[item_id]
+            layout.param_index_map[param] = (start, start + item.size, len(layout.bucket_indices))
+        layout.bucket_indices.append((layout.numel, layout.numel + bucket.size))
+        layout.numel += bucket.size
+    return SimpleNamespace(layouts={_FSDPBufferKey(e, False): lay for e, lay in layouts.items()})

@@ -56,6 +56,8 @@ SCHEMES = (
     "ours_blockwise",
     "ours_duplicated",
     "ours_exact_megatron_layout",
+    "adamw_fsdp",
+    "ours_exact_fsdp",
 )
 LABELS = {
     "adamw": "AdamW (Megatron DistOpt)",
@@ -66,6 +68,8 @@ LABELS = {
     "ours_blockwise": "ours, blockwise",
     "ours_duplicated": "ours, duplicated",
     "ours_exact_megatron_layout": "ours, exact, Megatron's byte-level buffers",
+    "adamw_fsdp": "AdamW on Megatron-FSDP",
+    "ours_exact_fsdp": "ours, exact, on Megatron-FSDP",
 }
 # The peers of optimizer_step.py, by scheme.
 PEER_OF = {
@@ -77,6 +81,8 @@ PEER_OF = {
     "ours_blockwise": "ours_blockwise",
     "ours_duplicated": "ours_duplicated",
     "ours_exact_megatron_layout": "ours_exact_megatron_layout",
+    "adamw_fsdp": "megatron_adamw_fsdp",
+    "ours_exact_fsdp": "ours_exact_fsdp",
 }
 NS_STEPS = 5
 COMM_BYTES = 2  # our pieces travel in bf16 (muon_comm_dtype)
@@ -104,6 +110,8 @@ class Cluster:
     mfu: float = 0.4
     grad_reduce_in_fp32: bool = True
     overlap_grad_reduce: bool = True
+    microbatches: int = 1
+    """Micro-batches per step: Megatron-FSDP (``optim_grads_params``) reduce-scatters each one's gradients."""
     muon: Tuple[Tuple[str, Any], ...] = ()
     """``MuonConfig`` settings of the run beyond its defaults, as (name, value) pairs."""
 
@@ -251,6 +259,28 @@ def _ddp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
                 costs.ddp[scheme][i] += rs + ag
                 costs.elements[scheme][i] += numel / n
                 costs.buffers[scheme][i] += numel * (grad_bytes + 2)
+            costs.by_kind[scheme]["reduce_scatter"] += rs * ranks
+            costs.by_kind[scheme]["all_gather"] += ag * ranks
+
+
+def _fsdp_costs(costs: RankCosts, scheme: str, layouts, c: Cluster) -> None:
+    """Megatron-FSDP's own traffic per rank with ``optim_grads_params``: each micro-batch's
+    gradient reduce-scatter and the parameter all-gather at the end of the optimizer step
+    (bf16), as DDP's are counted for the other schemes; the re-gathers of each FSDP unit
+    in the forward and backward passes are left out like DDP's overlapped all-gather. Each
+    rank's optimizer shard; its persistent buffers hold 1/DP of the parameters and gradients."""
+    grad_bytes = 4 if c.grad_reduce_in_fp32 else 2
+    ranks = c.tp * c.dp
+    for key, layout in layouts.layouts.items():
+        n = c.edp if key.is_expert_parallel else c.dp
+        for b_start, b_end in layout.bucket_indices:
+            numel = b_end - b_start
+            rs = (n - 1) * numel * grad_bytes // n * c.microbatches
+            ag = (n - 1) * numel * 2 // n
+            for i in range(ranks):
+                costs.ddp[scheme][i] += rs + ag
+                costs.elements[scheme][i] += numel / n
+                costs.buffers[scheme][i] += numel * (grad_bytes + 2) / n
             costs.by_kind[scheme]["reduce_scatter"] += rs * ranks
             costs.by_kind[scheme]["all_gather"] += ag * ranks
 
@@ -430,6 +460,10 @@ def stage_costs(m: S.ModelShape, c: Cluster, stage: int) -> RankCosts:
     for scheme in ("megatron_blockwise", "megatron_duplicated", "megatron_distributed"):
         _ddp_costs(costs, scheme, layer_wise, c)
     _megatron_costs(costs, params, layer_wise, m, c)
+    fsdp = S.fsdp_layouts(params, c.dp, c.edp)
+    for scheme in ("adamw_fsdp", "ours_exact_fsdp"):
+        _fsdp_costs(costs, scheme, fsdp, c)
+    _our_costs(costs, "ours_exact_fsdp", params, fsdp, m, c, "exact", owner_aligned=False)
     return costs
 
 
@@ -467,7 +501,9 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
                 critical = (max(stage_flops), max(stage_flops) / mean, s)
             for i in range(c.tp * c.dp):
                 f, a, b = stage_flops[i], st.intra[scheme][i], st.inter[scheme][i]
-                elem = st.elements[scheme][i] * ELEMENTWISE_BYTES["adamw" if scheme == "adamw" else "muon"] / hbm
+                elem = (
+                    st.elements[scheme][i] * ELEMENTWISE_BYTES["adamw" if scheme.startswith("adamw") else "muon"] / hbm
+                )
                 sync = st.sync_intra[scheme][i] / intra_bw + st.sync_inter[scheme][i] / inter_bw
                 comm = a / intra_bw + b / inter_bw - sync
                 if scheme.startswith("ours"):
@@ -527,7 +563,13 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
     reduce-scatter of the train step, with what was counted."""
     lay = measured["layout"]
     m = S.from_tiny(measured["model_spec"], measured["gbs"])
-    c = Cluster(gpus=lay["world"], tp=lay["tp"], gpus_per_node=max(lay["world"], 1), overlap_grad_reduce=False)
+    c = Cluster(
+        gpus=lay["world"],
+        tp=lay["tp"],
+        gpus_per_node=max(lay["world"], 1),
+        overlap_grad_reduce=False,
+        microbatches=measured["gbs"] // (measured["mbs"] * lay["dp"]),
+    )
     costs = stage_costs(m, c, 0)
     rows, worst = [], 0.0
     for scheme, peer in PEER_OF.items():
