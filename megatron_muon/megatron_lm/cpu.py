@@ -356,8 +356,8 @@ def no_device_architecture() -> None:
     """``validate_args`` asks the GPU's architecture (``get_device_arch_version``) with TP or
     CP > 1, only to choose a performance warning; without a GPU the answer is 0. The same
     check then requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (an ordering of GPU kernels, moot
-    here) and Megatron-FSDP requires it unset or > 1: set it, unless set, when validation
-    starts without Megatron-FSDP. Gloo has no ``PREMUL_SUM``: no gradient-reduce division
+    here) and Megatron-FSDP requires it unset or > 1: when validation starts, set it
+    (unless set) without Megatron-FSDP, unset it with. Gloo has no ``PREMUL_SUM``: no gradient-reduce division
     fusion."""
     import megatron.training.arguments as arguments
 
@@ -368,7 +368,9 @@ def no_device_architecture() -> None:
 
         @functools.wraps(original)
         def validate_args(args, *a, **kw):
-            if not (getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False)):
+            if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+                os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # orders no GPU kernels here
+            else:
                 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
             # Megatron-FSDP divides gradients inside the reduction (ReduceOp.PREMUL_SUM): NCCL only.
             args.gradient_reduce_div_fusion = False

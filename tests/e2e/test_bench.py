@@ -87,10 +87,12 @@ def test_scale_model_bytes_match_the_counted_bytes(out, measured):
     what count_collectives counted (it leaves out only the grad-norm all-reduces)."""
     check = scale_model.validate(measured)
     schemes = {r["scheme"] for r in check["rows"]}
-    assert schemes == {"adamw", "megatron_duplicated", "ours_exact", "ours_blockwise"}
+    assert schemes == {"adamw", "megatron_duplicated", "ours_exact", "ours_blockwise", "adamw_fsdp", "ours_exact_fsdp"}
     assert check["ok"], [r for r in check["rows"] if r["checked"] and r["rel_err"] > scale_model.TOLERANCE]
     kinds = {(r["scheme"], r["what"]) for r in check["rows"] if r["checked"]}
     assert ("ours_exact", "step() all_to_all") in kinds
+    # Megatron-FSDP's own index, modelled on meta tensors: our pieces and its reduce-scatters.
+    assert {("ours_exact_fsdp", "step() all_to_all"), ("adamw_fsdp", "train step reduce_scatter")} <= kinds
     assert ("megatron_duplicated", "step() all_gather") in kinds
     # The command line, on one real-size scenario, with the same validation.
     data = scale_model.main(
