@@ -46,8 +46,8 @@ CHANGES = [
     pytest.param(dict(kind="gqa"), (2, {}), (4, {}), id="DP2-to-DP4"),
     pytest.param(dict(kind="gqa"), (2, dict(pp=2)), (1, {}), id="PP2-to-PP1"),
     pytest.param(MOE, (2, dict(ep=2)), (1, {}), id="EP2-to-EP1"),
-    pytest.param(dict(MOE, sequence_parallel=True), (4, dict(tp=2, ep=2, etp=2)), (4, dict(tp=2, ep=2, etp=1)), id="ETP2-to-ETP1"),
-    pytest.param(dict(MOE, expert_layout="legacy_grouped"), (2, dict(ep=2)), (2, dict(ep=2)), id="GroupedMLP-to-SequentialMLP"),
+    pytest.param(dict(MOE, sequence_parallel=True), (4, dict(tp=2, ep=2, etp=2)), (4, dict(tp=2, ep=2, etp=1)), id="ETP2-to-ETP1", marks=pytest.mark.slow),
+    pytest.param(dict(MOE, expert_layout="legacy_grouped"), (2, dict(ep=2)), (2, dict(ep=2)), id="GroupedMLP-to-SequentialMLP", marks=pytest.mark.slow),
     pytest.param(MOE, (2, dict(ep=2)), (1, {}), id="SequentialMLP-to-GroupedMLP"),
     # DDP buffer layouts: owner-aligned (the default) <-> Megatron's byte-level, and TP/DP too.
     pytest.param(dict(kind="gqa"), (2, {}), (2, dict(tp=2)), id="owner-DP2-to-megatron-TP2"),

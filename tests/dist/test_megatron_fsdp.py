@@ -34,11 +34,11 @@ ZERO3 = {"optim_grads_params": FSDP["optim_grads_params"]}
 LAYOUTS = [
     # Every strategy where matrices cross both TP and DP pieces, and where experts shard over
     # their own (expert-DP) group; ZeRO-3 (Megatron-LM's default strategy) elsewhere.
-    pytest.param("gqa", 4, dict(tp=2), FSDP, id="GQA-DP2xTP2"),
-    pytest.param("moe", 4, dict(ep=2), FSDP, id="MoE-EP2xDP2"),
+    pytest.param("gqa", 4, dict(tp=2), FSDP, id="GQA-DP2xTP2", marks=pytest.mark.slow),
+    pytest.param("moe", 4, dict(ep=2), FSDP, id="MoE-EP2xDP2", marks=pytest.mark.slow),
     pytest.param("gqa", 2, {}, ZERO3, id="GQA-DP2"),
-    pytest.param("moe", 2, dict(ep=2), ZERO3, id="MoE-EP2"),
-    pytest.param("mla", 2, {}, ZERO3, id="MLA-DP2"),
+    pytest.param("moe", 2, dict(ep=2), ZERO3, id="MoE-EP2", marks=pytest.mark.slow),
+    pytest.param("mla", 2, {}, ZERO3, id="MLA-DP2", marks=pytest.mark.slow),
 ]
 
 
@@ -57,6 +57,7 @@ def test_every_sharding_strategy_equals_reference(references, kind, world, layou
     assert any(r["optim_grads_params"]["traffic"].get("all_to_all", 0) > 0 for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bf16_model_equals_the_distributed_optimizer_run():
     """A bf16 model with fp32 masters (fp32 main gradients): Megatron-FSDP gives the losses

@@ -28,7 +28,7 @@ MOE_LAYOUTS = [
     pytest.param(4, dict(tp=2, ep=2, etp=2), MOE_SP, id="EP2xETP2"),
     pytest.param(4, dict(pp=2, ep=2), MOE, id="PP2xEP2"),
     # Experts see tokens of every CP rank: expert DP spans data x context parallel ranks.
-    pytest.param(4, dict(cp=2, ep=2), MOE, id="CP2xEP2"),
+    pytest.param(4, dict(cp=2, ep=2), MOE, id="CP2xEP2", marks=pytest.mark.slow),
 ]
 
 
@@ -101,6 +101,7 @@ def _moe_50_steps():
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_moe_trains_50_steps():
     losses = run_distributed(_moe_50_steps, 2, ep=2)[0]

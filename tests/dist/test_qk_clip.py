@@ -71,7 +71,7 @@ CLIP_CASES = [
     pytest.param(dict(kind="mla"), 2, {}, [1, 2], 1.0, id="MLA-DP2"),
     # Context parallelism: each CP rank records the max over its own queries; the clip
     # must see the max over the whole sequence (all-reduced over data x context parallel).
-    pytest.param(dict(kind="gqa"), 2, dict(cp=2), [0, 3], 2.0, id="GQA-CP2"),
+    pytest.param(dict(kind="gqa"), 2, dict(cp=2), [0, 3], 2.0, id="GQA-CP2", marks=pytest.mark.slow),
     pytest.param(dict(kind="gqa"), 4, dict(cp=2, tp=2), [0, 3], 2.0, id="GQA-CP2xTP2"),
 ]
 
@@ -122,7 +122,7 @@ EQUAL_CASES = [
     pytest.param("mla", 2, dict(pp=2), id="MLA-PP2"),
     pytest.param("mla", 4, dict(pp=2), id="MLA-DP2xPP2"),
     pytest.param("gqa", 4, dict(cp=2, tp=2), id="GQA-CP2xTP2"),
-    pytest.param("mla", 2, dict(cp=2), id="MLA-CP2"),
+    pytest.param("mla", 2, dict(cp=2), id="MLA-CP2", marks=pytest.mark.slow),
 ]
 
 

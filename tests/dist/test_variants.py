@@ -324,6 +324,7 @@ def test_offload_in_every_tp_mode(references):
             assert 0 < peak <= chunk_bytes < pool_bytes, (peak, chunk_bytes, pool_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_variance_reduction_switched_on_or_off_at_a_checkpoint(tmp_path):
     """Saved with it, loaded without (the second moments are left unused), and the reverse
