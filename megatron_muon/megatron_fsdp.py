@@ -57,6 +57,14 @@ def check_megatron_fsdp(ddp_config, where: str = "get_muon_optimizer") -> None:
             f"{where}: Megatron-FSDP's 'optim' sharding reduces gradients twice (wrong values) unless "
             "DistributedDataParallelConfig.overlap_grad_reduce=True (--overlap-grad-reduce); set it."
         )
+    if getattr(ddp_config, "pipeline_model_parallel_size", 1) > 1:
+        # Megatron-LM's arguments only (a DDP config has no pipeline size): the library path
+        # fails inside Megatron-FSDP's own constructor instead.
+        raise ValueError(
+            f"{where}: Megatron-FSDP in megatron-core 0.19 builds its device mesh over all ranks as "
+            "DP x EP x TP, so pipeline parallelism fails inside it; use --pipeline-model-parallel-size 1 "
+            "with --use-megatron-fsdp, or drop --use-megatron-fsdp."
+        )
     if ddp_config.num_distributed_optimizer_instances != 1:
         raise ValueError(
             f"{where}: Megatron-FSDP with num_distributed_optimizer_instances > 1 (HSDP) is not supported."

@@ -1,7 +1,7 @@
 """Muon on Megatron-FSDP (ZeRO-3), on real Megatron-core GPT models (CPU, gloo): every
 sharding strategy against the single-process reference (dense GQA and MLA with QK-Clip,
-tensor parallelism, MoE experts), a bf16 model against the same run on DDP, and the checks
-that refuse what Megatron-FSDP would get wrong."""
+tensor and context parallelism, MoE experts), a bf16 model against the same run on DDP, and
+the checks that refuse what Megatron-FSDP would get wrong."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ LAYOUTS = [
     pytest.param("gqa", 2, {}, ZERO3, id="GQA-DP2"),
     pytest.param("moe", 2, dict(ep=2), ZERO3, id="MoE-EP2", marks=pytest.mark.slow),
     pytest.param("mla", 2, {}, ZERO3, id="MLA-DP2", marks=pytest.mark.slow),
+    # Context parallelism: Megatron-FSDP shards over data x context parallel ranks.
+    pytest.param("gqa", 4, dict(cp=2), ZERO3, id="GQA-DP2xCP2", marks=pytest.mark.slow),
 ]
 
 

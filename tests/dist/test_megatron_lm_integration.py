@@ -37,6 +37,7 @@ def add_megatron_like_arguments(p: argparse.ArgumentParser) -> argparse.Argument
     p.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params")
     p.add_argument("--overlap-grad-reduce", action="store_true")
     p.add_argument("--num-distributed-optimizer-instances", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     p.add_argument("--save", default=None)
     p.add_argument("--ckpt-format", default="torch_dist")
     p.add_argument("--muon-momentum", type=float, default=0.9)
@@ -183,6 +184,8 @@ def test_patches_install_route_and_uninstall(monkeypatch):
       "no_shard"], "'no_shard' is not supported"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
       "optim"], "--overlap-grad-reduce"),
+    (["--optimizer", "muon", "--use-distributed-optimizer", "--use-megatron-fsdp", "--pipeline-model-parallel-size",
+      "2"], "--pipeline-model-parallel-size 1"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--save", "d", "--ckpt-format", "torch"],
      "--ckpt-format torch_dist"),
     (["--optimizer", "muon", "--use-distributed-optimizer", "--muon-scalar-optimizer", "lion"],
