@@ -549,6 +549,11 @@ class MuonChainedOptimizer(ChainedOptimizer):
         ``megatron_muon.checkpoint``), reshardable across TP/PP/EP/DP and expert layouts."""
         from .checkpoint import optimizer_sharded_state
 
+        if self.dense.megatron_fsdp:
+            raise NotImplementedError(
+                "megatron_muon cannot save or load its state on Megatron-FSDP yet (fsdp_dtensor checkpoints are "
+                "not implemented); train without checkpoints there, or use DDP with the distributed optimizer."
+            )
         return optimizer_sharded_state(self, model_sharded_state_dict, is_loading)
 
     def state_dict(self):
