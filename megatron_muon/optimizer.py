@@ -252,9 +252,11 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def float16_muon_masters(self) -> List[torch.Tensor]:
         """This rank's fp32 masters of the bf16/fp16 Muon params (an fp32 param's master is
         a view of the param itself, so it has none of its own)."""
-        if self.megatron_fsdp:  # Megatron-FSDP's main weights are a copy whatever the dtype
-            masters = (self.shard_map.master(mp.param) for mp in self.muon_params if mp.param.dtype != torch.float32)
-            return [m for m in masters if m is not None]
+        if self.megatron_fsdp:
+            # Its DTensor parameters are the fp32 main weights; the model's dtype is the module
+            # parameter's (``orig_param``).
+            float16 = (mp.param for mp in self.muon_params if mp.param.orig_param.dtype != torch.float32)
+            return [m for m in map(self.shard_map.master, float16) if m is not None]
         float16 = {id(m) for group in self.shard_fp32_from_float16_groups for m in group}
         masters = (self.shard_map.master(mp.param) for mp in self.muon_params)
         return [m for m in masters if m is not None and id(m) in float16]
