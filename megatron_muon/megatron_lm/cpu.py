@@ -357,8 +357,7 @@ def no_device_architecture() -> None:
     CP > 1, only to choose a performance warning; without a GPU the answer is 0. The same
     check then requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (an ordering of GPU kernels, moot
     here) and Megatron-FSDP requires it unset or > 1: when validation starts, set it
-    (unless set) without Megatron-FSDP, unset it with. Gloo has no ``PREMUL_SUM``: no gradient-reduce division
-    fusion."""
+    (unless set) without Megatron-FSDP, unset it with."""
     import megatron.training.arguments as arguments
 
     if "get_device_arch_version" not in _APPLIED:
@@ -372,11 +371,27 @@ def no_device_architecture() -> None:
                 os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # orders no GPU kernels here
             else:
                 os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-            # Megatron-FSDP divides gradients inside the reduction (ReduceOp.PREMUL_SUM): NCCL only.
-            args.gradient_reduce_div_fusion = False
             return original(args, *a, **kw)
 
         arguments.validate_args = validate_args
+
+
+def no_premul_sum() -> None:
+    """Megatron-FSDP divides gradients inside the reduction (``ReduceOp.PREMUL_SUM``), which
+    only NCCL has: on gloo it divides first (``--no-gradient-reduce-div-fusion``), set when
+    validation starts."""
+    import megatron.training.arguments as arguments
+
+    if "validate_args" in _APPLIED:
+        return
+    original = _APPLIED["validate_args"] = arguments.validate_args
+
+    @functools.wraps(original)
+    def validate_args(args, *a, **kw):
+        args.gradient_reduce_div_fusion = False
+        return original(args, *a, **kw)
+
+    arguments.validate_args = validate_args
 
 
 def quiet_cpu_rng_warning() -> None:
@@ -407,6 +422,7 @@ def install() -> bool:
     install_cpu_patches()
     allow_cpu_initialization()
     no_device_architecture()
+    no_premul_sum()
     quiet_cpu_rng_warning()
     # Megatron's jit_fuser compiles each fused function: seconds each on the CPU, no gain.
     if os.environ.get("MEGATRON_MUON_CPU_COMPILE", "0") != "1":

@@ -175,8 +175,6 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         layout = "megatron" if name.endswith("_megatron_layout") else "owner_aligned"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
         offload = name.endswith("_offload")
-        if is_fsdp_peer(name):
-            layout, offload = "megatron", False
         cfg = MuonConfig(
             muon_tp_mode=_tp_mode(name),
             muon_momentum=hyper.momentum,
