@@ -2,7 +2,7 @@
 
 ``run_distributed(fn, world_size, tp=2)`` starts ``world_size`` fresh processes (never a fork
 of the caller: Megatron and torch keep global state), each of which applies the CPU patches, joins a
-gloo process group on a free loopback port, calls
+gloo process group (rendezvous through a file in the run's directory), calls
 ``parallel_state.initialize_model_parallel`` with the requested layout and then
 ``fn(*args)``. Every rank writes its return value (or its traceback) to a file; the parent
 waits for all of them, re-raises the first failure with the rank's own traceback, and kills
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import faulthandler
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -78,16 +77,9 @@ def _start_context():
     return ctx
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(
     rank: int,
     layout: ParallelLayout,
-    port: int,
     outdir: str,
     fn: Callable,
     args: tuple,
@@ -114,13 +106,14 @@ def _rank_main(
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(port)
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(layout.world_size)
         os.environ["LOCAL_RANK"] = str(rank)
+        # A file in the run's own directory, not a TCP port: a port picked free by the parent
+        # can be taken by another process before rank 0 binds it (EADDRINUSE under load).
         torch.distributed.init_process_group(
             "gloo",
+            init_method=f"file://{os.path.join(outdir, 'rendezvous')}",
             rank=rank,
             world_size=layout.world_size,
             timeout=datetime.timedelta(seconds=collective_timeout_s),
@@ -200,12 +193,11 @@ def run_distributed(
             "choose a world size that is a multiple of the model-parallel size."
         )
     ctx = _start_context()
-    port = _free_port()
     with tempfile.TemporaryDirectory(prefix="megatron_muon_") as outdir:
         procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, layout, port, outdir, fn, args, seed, timeout_s, dict(os.environ)),
+                args=(rank, layout, outdir, fn, args, seed, timeout_s, dict(os.environ)),
                 daemon=False,  # ranks may start helper processes (dist-checkpoint writers)
             )
             for rank in range(world_size)
