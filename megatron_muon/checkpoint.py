@@ -112,7 +112,7 @@ def _model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
 
 
 @torch.no_grad()
-def _shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+def shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     """id(param) -> {state: this rank's 1-D range of it} for every param whose master this
     rank holds (zeros for a state not allocated yet). Collective over the orthogonalization
     group when there are owner-kept states: the owners scatter them, expanded."""
@@ -139,7 +139,7 @@ def _shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
 def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     """Every param of ``opt``'s buffers -> {state: full TP-local tensor}, all-gathered
     over the data-parallel group bucket by bucket (one collective per bucket and state)."""
-    local = _shard_values(opt)
+    local = shard_values(opt)
     out: Dict[int, Dict[str, torch.Tensor]] = {}
     for buffer in opt.shard_map.buffers:
         group = buffer.data_parallel_group
@@ -169,7 +169,7 @@ def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     return out
 
 
-def _params_in_order(opt) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+def params_in_order(opt) -> Iterator[Tuple[str, torch.nn.Parameter]]:
     """(python key, param) for every param of ``opt``'s buffers, in a fixed order.
 
     The python keys only need to match between saving and loading in the same process
@@ -184,7 +184,7 @@ def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dic
     metadata = _model_param_metadata(model_sharded_state_dict)
     full = {} if is_loading else gather_full_states(opt)
     out: Dict[str, Dict[str, Any]] = {}
-    for name, param in _params_in_order(opt):
+    for name, param in params_in_order(opt):
         sh = metadata.get(id(param))
         if sh is None:
             raise CheckpointError(
@@ -219,6 +219,11 @@ def optimizer_sharded_state(chain, model_sharded_state_dict, is_loading: bool) -
     param_state: Dict[str, object] = {}
     for opt in chain.muon_optimizers:
         param_state.update(_sharded_param_state(opt, model_sharded_state_dict, is_loading))
+    return dict(chain_common_state(chain), param_state=param_state)
+
+
+def chain_common_state(chain) -> Dict[str, Any]:
+    """:func:`common_state` of a ``MuonChainedOptimizer``."""
     settings = {
         k: (str(v) if isinstance(v, torch.dtype) else v)
         for k, v in vars(chain.config).items()
@@ -226,7 +231,7 @@ def optimizer_sharded_state(chain, model_sharded_state_dict, is_loading: bool) -
         and not callable(v)
     }
     optimizers = {opt.name: opt.common_state() for opt in chain.muon_optimizers}
-    return dict(common_state(chain.num_steps, optimizers, settings), param_state=param_state)
+    return common_state(chain.num_steps, optimizers, settings)
 
 
 @torch.no_grad()
@@ -242,13 +247,16 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
     chain.num_steps = int(state_dict["step"])
     commons = state_dict["optimizers"]
     for opt in chain.muon_optimizers:
-        _load_param_state(opt, state_dict["param_state"], chain.num_steps)
+        load_param_state(opt, state_dict["param_state"], chain.num_steps)
         opt.load_common_state(commons.get(opt.name) or commons["dense"])
 
 
-def _load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
+def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int, local: bool = False) -> None:
+    """Set ``opt``'s masters and states from ``param_state`` (python key -> {state: tensor}):
+    whole TP-local tensors of which this rank keeps its range, or with ``local`` this rank's
+    range already (Megatron-FSDP shards)."""
     owner_kept = {s.name: {} for s in muon_states(opt.config, "owner")}
-    for name, param in _params_in_order(opt):
+    for name, param in params_in_order(opt):
         shard = opt.shard_map[param]
         if shard.master is None:
             continue
@@ -257,7 +265,8 @@ def _load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step
         for key in state_names(opt, param):
             if key not in tensors:
                 continue  # saved without this state (switched on since): it starts at zero
-            flat = tensors[key].reshape(-1)[shard.start : shard.end].to(shard.master.device)
+            flat = tensors[key].reshape(-1)
+            flat = (flat if local else flat[shard.start : shard.end]).to(shard.master.device)
             if key == "param":
                 shard.master.copy_(flat)
             elif key in owner_kept:
@@ -268,7 +277,7 @@ def _load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step
     step_state = opt.muon
     for key, pieces in owner_kept.items():
         step_state.owner_states.values[key].clear()
-        if not any(key in param_state[name] for name, _ in _params_in_order(opt)):
+        if not any(key in param_state[name] for name, _ in params_in_order(opt)):
             continue  # the same answer on every rank: from the checkpoint's common state
         inputs = [pieces.get(id(m)) if m is not None else None for m in step_state.masters]
         for job, matrices in gather_matrices(step_state, inputs):

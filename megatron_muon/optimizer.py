@@ -552,10 +552,16 @@ class MuonChainedOptimizer(ChainedOptimizer):
         from .checkpoint import optimizer_sharded_state
 
         if self.dense.megatron_fsdp:
-            raise NotImplementedError(
-                "megatron_muon cannot save or load its state on Megatron-FSDP yet (fsdp_dtensor checkpoints are "
-                "not implemented); train without checkpoints there, or use DDP with the distributed optimizer."
-            )
+            sharding = (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type")
+            if sharding != "fsdp_dtensor":
+                raise NotImplementedError(
+                    "megatron_muon saves its state on Megatron-FSDP only as an fsdp_dtensor checkpoint "
+                    f"(metadata distrib_optim_sharding_type='fsdp_dtensor', got {sharding!r}; Megatron-LM: "
+                    "--ckpt-format fsdp_dtensor)."
+                )
+            from .fsdp_dtensor import optimizer_state
+
+            return optimizer_state(self, is_loading)
         return optimizer_sharded_state(self, model_sharded_state_dict, is_loading)
 
     def state_dict(self):
@@ -568,7 +574,12 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
         from .checkpoint import load_optimizer_state
 
-        load_optimizer_state(self, state_dict)
+        if self.dense.megatron_fsdp:
+            from . import fsdp_dtensor
+
+            fsdp_dtensor.load_optimizer_state(self, state_dict)
+        else:
+            load_optimizer_state(self, state_dict)
 
     def plan_statistics(self) -> List[Dict[str, object]]:
         return [o.plan_statistics() for o in self.muon_optimizers]

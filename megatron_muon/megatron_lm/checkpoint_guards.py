@@ -75,6 +75,10 @@ class CheckpointGuards:
         self.verified: Optional[Tuple[str, int, int]] = None
         self.resume_iteration: Optional[int] = None
         """Set while ``load_checkpoint`` loads the iteration chosen in place of the tracker's."""
+        self.first_read = True
+        """Whether Megatron-LM's read in progress is its first of the directory (the common state)."""
+        self.fsdp_dtensor_dir: Optional[str] = None
+        """The fsdp_dtensor directory the read in progress verified."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -95,37 +99,76 @@ class GuardedDistCheckpointing:
         return getattr(self.__wrapped__, name)
 
     def save(self, sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        """Megatron-core's ``save`` into ``<checkpoint_dir>.tmp``, then (collectively) the
-        manifest and the swap into place; for an async save these run as its first finalize
-        step, before Megatron-LM's own that moves the tracker."""
-        target = str(checkpoint_dir).rstrip("/")
-        if _same(target, self._guards.current) and _agreed(has_manifest(target)):
-            _say(f"{target} already holds this iteration (saved or loaded by this job, no step since): kept as it is")
-            return None
+        """Megatron-core's ``save`` through :func:`guarded_save`."""
         if "verify_integrity" in kwargs:
             kwargs["verify_integrity"] = False  # our manifest replaces Megatron's rank-0 one
-        staging = target + ".tmp"
+        return guarded_save(
+            self._guards,
+            checkpoint_dir,
+            lambda staging: self.__wrapped__.save(sharded_state_dict, staging, *args, **kwargs),
+        )
+
+
+def guarded_save(guards: CheckpointGuards, checkpoint_dir: str, write: Callable[[str], Any]) -> Any:
+    """``write(staging)`` into ``<checkpoint_dir>.tmp``, then (collectively) the manifest and
+    the swap into place; for an async save (``write`` returned a request) these run as its
+    first finalize step, before Megatron-LM's own that moves the tracker."""
+    target = str(checkpoint_dir).rstrip("/")
+    if _same(target, guards.current) and _agreed(has_manifest(target)):
+        _say(f"{target} already holds this iteration (saved or loaded by this job, no step since): kept as it is")
+        return None
+    staging = target + ".tmp"
+    if _rank0():
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
+        os.makedirs(staging)
+    dist.barrier()
+    request = write(staging)
+
+    def finish() -> None:
+        replacing = _agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
+        write_manifest(staging)  # collective; ends with a barrier
+        if replacing:
+            verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
         if _rank0():
-            shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
-            os.makedirs(staging)
+            swap_into_place(staging, target)
         dist.barrier()
-        request = self.__wrapped__.save(sharded_state_dict, staging, *args, **kwargs)
+        guards.current = target
 
-        def finish() -> None:
-            replacing = _agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
-            write_manifest(staging)  # collective; ends with a barrier
-            if replacing:
-                verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
-            if _rank0():
-                swap_into_place(staging, target)
-            dist.barrier()
-            self._guards.current = target
+    if hasattr(request, "add_finalize_fn"):
+        request.add_finalize_fn(finish)
+    else:
+        finish()
+    return request
 
-        if request is None:
-            finish()
-        else:
-            request.add_finalize_fn(finish)
-        return request
+
+def _wrap_save_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
+    """Megatron-LM's ``save_checkpoint``; with ``--ckpt-format fsdp_dtensor`` its
+    ``torch.distributed.checkpoint.save`` (the one call that writes the directory) goes
+    through :func:`guarded_save` while it runs."""
+
+    def save_checkpoint(*args, **kwargs):
+        from megatron.training import get_args
+
+        if get_args().ckpt_format != "fsdp_dtensor":
+            return original(*args, **kwargs)
+        import torch.distributed.checkpoint as dcp
+
+        dcp_save = dcp.save
+
+        def save(state_dict, *, storage_writer, **options):
+            def write(staging: str):
+                return dcp_save(state_dict=state_dict, storage_writer=type(storage_writer)(staging), **options)
+
+            return guarded_save(guards, storage_writer.path, write)
+
+        dcp.save = save
+        try:
+            return original(*args, **kwargs)
+        finally:
+            dcp.save = dcp_save
+
+    save_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return save_checkpoint
 
 
 class _AtomicFile:
@@ -344,6 +387,70 @@ def check_padded_vocabulary(common: Any, checkpoint_dir: str) -> None:
     )
 
 
+def _wrap_load_base_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
+    """Megatron-LM's ``_load_base_checkpoint``, for an fsdp_dtensor checkpoint (torch_dist
+    ones go through :func:`_wrap_load_global_dist_base_checkpoint`): the directory verified
+    before DCP reads it (:func:`_wrap_get_checkpoint_format` sees its name first), the padded
+    vocabulary checked on the first read."""
+
+    def load_base_checkpoint(load_dir, args, rank0=False, *rest, **kw):
+        guards.first_read, guards.fsdp_dtensor_dir = bool(rank0), None
+        out = original(load_dir, args, rank0, *rest, **kw)
+        checkpoint_dir, guards.fsdp_dtensor_dir = guards.fsdp_dtensor_dir, None
+        if checkpoint_dir is not None and dist.is_initialized():
+            if rank0:
+                check_padded_vocabulary(out[0], checkpoint_dir)
+            else:
+                guards.current = checkpoint_dir.rstrip("/")
+        return out
+
+    load_base_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_base_checkpoint
+
+
+def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) -> Callable:
+    def get_checkpoint_format(checkpoint_name, *args, **kwargs):
+        ckpt_format = original(checkpoint_name, *args, **kwargs)
+        if ckpt_format == "fsdp_dtensor":
+            verify_before_read(str(checkpoint_name), first_read=guards.first_read, guards=guards)
+            guards.fsdp_dtensor_dir = str(checkpoint_name)
+        return ckpt_format
+
+    get_checkpoint_format.__wrapped__ = original  # type: ignore[attr-defined]
+    return get_checkpoint_format
+
+
+def check_holds_model(state_dict: dict, checkpoint_dir: str) -> None:
+    """Refuse an fsdp_dtensor checkpoint that lacks a weight of this run's model (Megatron-LM
+    loads fsdp_dtensor checkpoints partially by default: the weight would stay as initialized)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    missing = sorted(f"model.{key}" for key in state_dict.get("model", {}) if f"model.{key}" not in saved)
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint_dir} lacks {len(missing)} weight(s) of this run's model ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): it was saved from another model; load it with the flags "
+            "it was trained with (its args are in the checkpoint)"
+        )
+
+
+def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
+    """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` replaced by
+    ``megatron_muon.fsdp_dtensor.preprocess_state_dict``; before a load, the checkpoint
+    checked to hold every weight (:func:`check_holds_model`)."""
+    from megatron_muon.fsdp_dtensor import preprocess_state_dict
+
+    def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
+        state_dict = preprocess_state_dict(args, raw_state_dict, model)
+        if guards.fsdp_dtensor_dir is not None:  # set while a load reads that directory
+            check_holds_model(state_dict, guards.fsdp_dtensor_dir)
+        return state_dict
+
+    preprocess_fsdp_dtensor_state_dict.__wrapped__ = original  # type: ignore[attr-defined]
+    return preprocess_fsdp_dtensor_state_dict
+
+
 def _wrap_load_global_dist_base_checkpoint(
     original: Callable, checkpointing: Any, guards: CheckpointGuards
 ) -> Callable:
@@ -389,11 +496,23 @@ def checkpoint_patches(training: Optional[Any] = None) -> List[Tuple[Any, str, A
     if not hasattr(load, "__megatron_muon_undo__"):
         wrapper = _wrap_load_global_dist_base_checkpoint(load, checkpointing, guards)
         patches.append((checkpointing, "_load_global_dist_base_checkpoint", load, wrapper))
+    for name, wrap in (
+        ("_load_base_checkpoint", _wrap_load_base_checkpoint),
+        ("_get_checkpoint_format", _wrap_get_checkpoint_format),
+    ):
+        original = getattr(checkpointing, name)
+        if not hasattr(original, "__megatron_muon_undo__"):
+            patches.append((checkpointing, name, original, wrap(original, guards)))
+    preprocess = checkpointing.preprocess_fsdp_dtensor_state_dict
+    if not hasattr(preprocess, "__megatron_muon_undo__"):
+        wrapper = _wrap_preprocess(preprocess, guards)
+        patches.append((checkpointing, "preprocess_fsdp_dtensor_state_dict", preprocess, wrapper))
     read = checkpointing.read_metadata
     if not hasattr(read, "__megatron_muon_undo__"):
         patches.append((checkpointing, "read_metadata", read, _wrap_read_metadata(read, guards)))
     for module in (checkpointing, training):
-        load = getattr(module, "load_checkpoint", None) if module is not None else None
-        if load is not None and not hasattr(load, "__megatron_muon_undo__"):
-            patches.append((module, "load_checkpoint", load, _wrap_load_checkpoint(load, guards)))
+        for name, wrap in (("load_checkpoint", _wrap_load_checkpoint), ("save_checkpoint", _wrap_save_checkpoint)):
+            original = getattr(module, name, None) if module is not None else None
+            if original is not None and not hasattr(original, "__megatron_muon_undo__"):
+                patches.append((module, name, original, wrap(original, guards)))
     return patches

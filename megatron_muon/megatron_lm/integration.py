@@ -150,6 +150,11 @@ def _ours(args: argparse.Namespace) -> bool:
     return getattr(args, "optimizer", None) in ("muon", "dist_muon") and getattr(args, "muon_impl", None) == IMPLS[0]
 
 
+def _checkpoint_format(args: argparse.Namespace) -> str:
+    """The one checkpoint format of a run: fsdp_dtensor on Megatron-FSDP, else torch_dist."""
+    return "fsdp_dtensor" if getattr(args, "use_megatron_fsdp", False) else "torch_dist"
+
+
 def check_supported(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` (naming the flag and the fix) for what megatron_muon cannot run."""
 
@@ -186,8 +191,15 @@ def check_supported(args: argparse.Namespace) -> None:
         ),
         (
             any(on(k, None) for k in ("save", "load", "pretrained_checkpoint"))
-            and on("ckpt_format", "torch_dist") != "torch_dist",
-            f"saves and loads only --ckpt-format torch_dist (got {on('ckpt_format', None)!r}): use it",
+            and on("ckpt_format", "torch_dist") != _checkpoint_format(args),
+            f"saves and loads only --ckpt-format {_checkpoint_format(args)} "
+            f"{'with' if on('use_megatron_fsdp') else 'without'} --use-megatron-fsdp "
+            f"(got {on('ckpt_format', None)!r}): use it",
+        ),
+        (
+            on("async_save") and on("ckpt_format", None) == "fsdp_dtensor",
+            "saves fsdp_dtensor checkpoints synchronously only (the async writer bypasses the staging directory "
+            "and manifest): drop --async-save",
         ),
     ]
     for bad, why in problems:

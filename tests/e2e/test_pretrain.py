@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -295,6 +296,48 @@ def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cac
 
 DEFAULT_FORMAT = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable"]
 """COMMON with Megatron-LM's default distributed-optimizer checkpoint format."""
+
+
+FSDP_CHECKPOINTS = DEFAULT_FORMAT + MEGATRON_FSDP.split() + CLIPPING.split()
+"""DEFAULT_FORMAT on Megatron-FSDP (ZeRO-3, --ckpt-format fsdp_dtensor) with QK-Clip."""
+
+
+@pytest.fixture(scope="module")
+def fsdp_uninterrupted(cache, tmp_path_factory):
+    """6 iterations of tiny_gqa (Muon) on Megatron-FSDP, DP2, saving at 3 and 6."""
+    ckpt = tmp_path_factory.mktemp("fsdp_run") / "ckpt"
+    args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
+    stdout = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
+    return dict(args=args, stdout=stdout, ckpt=ckpt)
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_save_then_resume_same_and_other_sizes(fsdp_uninterrupted, tmp_path):
+    """An fsdp_dtensor checkpoint (DCP, with our manifest) of a Muon run on Megatron-FSDP
+    resumes bit for bit at DP2, and at TP2 to reduction-order noise (DCP reshards the
+    DTensors, the GLU halves split for it); a corrupted copy is refused before any read."""
+    full, ckpt = fsdp_uninterrupted, fsdp_uninterrupted["ckpt"]
+    assert (ckpt / "iter_0000003" / ".metadata").is_file() and (ckpt / "iter_0000003" / "integrity.json").is_file()
+    want = losses(full["stdout"])
+    assert sorted(want) == list(range(1, 7)) and want[6] < want[1] - 1.0
+    resume = full["args"] + ["--load", str(ckpt), "--ckpt-step", "3"]
+    same = run(TWO_RANKS + resume, timeout=300)
+    assert sorted(losses(same)) == [4, 5, 6], same[-2000:]
+    assert all(losses(same)[i] == want[i] for i in (4, 6)), (losses(same), want)
+    assert validation(same)[6] == validation(full["stdout"])[6]
+    tp2 = run(TWO_RANKS + resume + ["--tensor-model-parallel-size", "2"], timeout=300)
+    assert "tensor-model-parallel size: 2" in tp2
+    assert losses(tp2)[4] == pytest.approx(want[4], rel=1e-4) and losses(tp2)[6] == pytest.approx(want[6], rel=1e-4)
+    assert validation(tp2)[6] == pytest.approx(validation(full["stdout"])[6], rel=1e-4)
+    broken = tmp_path / "ckpt"
+    shutil.copytree(ckpt / "iter_0000003", broken / "iter_0000003")
+    data = broken / "iter_0000003" / "__1_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    proc = launch(TWO_RANKS + full["args"] + ["--load", str(broken), "--ckpt-step", "3"], timeout=300)
+    assert proc.returncode != 0 and "__1_0.distcp" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "iteration        4/" not in proc.stdout
 
 
 @pytest.fixture(scope="module")
