@@ -67,17 +67,24 @@ def _like(flat: torch.Tensor, param) -> Any:
     )  # fmt: skip
 
 
+def param_name(opt, param) -> str:
+    """A parameter's name in our fsdp_dtensor optimizer state: Megatron's (experts numbered
+    globally) without the wrappers' ``module.`` prefixes, whose number changes with the
+    precision (``Float16Module``): the model's own key, the same in fp32 and bf16 runs."""
+    return strip_wrappers(opt._param_name(param))
+
+
 def _muon_params(opt) -> Iterator[Tuple[str, Any]]:
     """(checkpoint name, DTensor parameter) of every Muon matrix parameter of ``opt``."""
     for mp in opt.muon_params:
-        yield opt._param_name(mp.param), mp.param
+        yield param_name(opt, mp.param), mp.param
 
 
 def _adam_params(opt) -> Iterator[Tuple[str, Any]]:
     for group in opt.optimizer.param_groups:
         if not group.get("muon", False):
             for param in group["params"]:
-                yield opt._param_name(param), param
+                yield param_name(opt, param), param
 
 
 @torch.no_grad()
@@ -101,7 +108,7 @@ def optimizer_state(chain, is_loading: bool) -> Dict[str, Any]:
                 continue
             meta = {k: v for k, v in group.items() if k != "params"}
             for param in group["params"]:
-                name = opt._param_name(param)
+                name = param_name(opt, param)
                 torch_state = opt.optimizer.state[param]
                 state[name] = {key: torch_state[key] for key in ("exp_avg", "exp_avg_sq")}
                 groups[name] = meta
@@ -126,7 +133,7 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
     saved = state_dict["state"]
     for opt in chain.muon_optimizers:
         local = {
-            key: {state: value.to_local() for state, value in saved.get(opt._param_name(param), {}).items()}
+            key: {state: value.to_local() for state, value in saved.get(param_name(opt, param), {}).items()}
             for key, param in params_in_order(opt)
         }
         load_param_state(opt, local, chain.num_steps, local=True)
@@ -145,7 +152,7 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _strip_wrappers(name: str) -> str:
+def strip_wrappers(name: str) -> str:
     parts = name.split(".")
     while parts and parts[0] in ("module", "model"):
         parts = parts[1:]
@@ -156,14 +163,14 @@ def glu_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
     """Unwrapped parameter name -> DTensor parameter, for the weights and biases of every
     ``linear_fc1`` whose layer is gated (``config.gated_linear_unit``)."""
     gated = {
-        _strip_wrappers(name)
+        strip_wrappers(name)
         for name, module in model.named_modules()
         if name.endswith("linear_fc1") and getattr(getattr(module, "config", None), "gated_linear_unit", False)
     }
     return {
-        _strip_wrappers(name): param
+        strip_wrappers(name): param
         for name, param in model.named_parameters()
-        if _strip_wrappers(name).rsplit(".", 1)[0] in gated
+        if strip_wrappers(name).rsplit(".", 1)[0] in gated
     }
 
 
@@ -203,7 +210,7 @@ def _split_entries(entries: Dict[str, Any], glu: Dict[str, torch.nn.Parameter], 
     ``linear_fc1`` replaced by its ``_w`` and ``_v`` halves (every ``DTensor`` in it split)."""
     out = {}
     for key, value in entries.items():
-        param = glu.get(_strip_wrappers(local_name(key)))
+        param = glu.get(strip_wrappers(local_name(key)))
         if param is None:
             out[key] = value
             continue
@@ -230,10 +237,10 @@ def _with_empty_shard_states(optimizer: Dict[str, Any], model: torch.nn.Module, 
     missing = [name for name in optimizer["param_to_group_meta"] if name not in optimizer["state"]]
     if not missing:
         return optimizer
-    params = {_strip_wrappers(name): param for name, param in model.named_parameters()}
+    params = {strip_wrappers(name): param for name, param in model.named_parameters()}
     state = dict(optimizer["state"])
     for name in missing:
-        param = params[_strip_wrappers(expert_param_local_key(_strip_wrappers(name), num_experts))]
+        param = params[strip_wrappers(expert_param_local_key(strip_wrappers(name), num_experts))]
         state[name] = {key: torch.zeros_like(param) for key in ("exp_avg", "exp_avg_sq")}
     return dict(optimizer, state=state)
 
@@ -266,7 +273,7 @@ def preprocess_state_dict(args, raw_state_dict: Dict[str, Any], model: torch.nn.
         if isinstance(optimizer, dict) and optimizer.get("state"):
             optimizer = state_dict["optimizer"] = dict(optimizer)
             optimizer["state"] = _split_entries(
-                optimizer["state"], glu, lambda key: expert_param_local_key(_strip_wrappers(key), num_experts)
+                optimizer["state"], glu, lambda key: expert_param_local_key(strip_wrappers(key), num_experts)
             )
     if num_experts:
         state_dict["model"] = handle_experts_in_state_dict(state_dict["model"], num_experts)

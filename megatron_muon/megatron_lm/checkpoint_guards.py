@@ -420,31 +420,42 @@ def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) ->
     return get_checkpoint_format
 
 
-def check_holds_model(state_dict: dict, checkpoint_dir: str) -> None:
-    """Refuse an fsdp_dtensor checkpoint that lacks a weight of this run's model (Megatron-LM
-    loads fsdp_dtensor checkpoints partially by default: the weight would stay as initialized)."""
+REQUIRED_STATES = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+"""Optimizer states an fsdp_dtensor checkpoint must hold for every parameter (a Muon state
+switched on since, e.g. ``second_moment``, starts at zero)."""
+
+
+def check_holds_state(state_dict: dict, checkpoint_dir: str) -> None:
+    """Refuse an fsdp_dtensor checkpoint that lacks a weight of this run's model or one of
+    its optimizer states: Megatron-LM loads fsdp_dtensor checkpoints partially by default,
+    and what is missing would silently stay as initialized."""
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
-    missing = sorted(f"model.{key}" for key in state_dict.get("model", {}) if f"model.{key}" not in saved)
+    wanted = [f"model.{key}" for key in state_dict.get("model", {})]
+    optimizer = state_dict.get("optimizer")
+    if isinstance(optimizer, dict):
+        for name, states in optimizer.get("state", {}).items():
+            wanted += [f"optimizer.state.{name}.{s}" for s in states if s in REQUIRED_STATES]
+    missing = sorted(key for key in wanted if key not in saved)
     if missing:
         raise CheckpointError(
-            f"{checkpoint_dir} lacks {len(missing)} weight(s) of this run's model ({', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}): it was saved from another model; load it with the flags "
-            "it was trained with (its args are in the checkpoint)"
+            f"{checkpoint_dir} lacks {len(missing)} tensor(s) this run loads ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): it was saved from another model or optimizer; load it with "
+            "the flags it was trained with, or pass --no-load-optim for the weights alone"
         )
 
 
 def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` replaced by
     ``megatron_muon.fsdp_dtensor.preprocess_state_dict``; before a load, the checkpoint
-    checked to hold every weight (:func:`check_holds_model`)."""
+    checked to hold every weight and optimizer state (:func:`check_holds_state`)."""
     from megatron_muon.fsdp_dtensor import preprocess_state_dict
 
     def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
         state_dict = preprocess_state_dict(args, raw_state_dict, model)
         if guards.fsdp_dtensor_dir is not None:  # set while a load reads that directory
-            check_holds_model(state_dict, guards.fsdp_dtensor_dir)
+            check_holds_state(state_dict, guards.fsdp_dtensor_dir)
         return state_dict
 
     preprocess_fsdp_dtensor_state_dict.__wrapped__ = original  # type: ignore[attr-defined]

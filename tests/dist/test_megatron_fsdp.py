@@ -135,4 +135,4 @@ def test_refusals_name_the_fix():
     assert "overlap_grad_reduce=True (--overlap-grad-reduce)" in out["optim without overlap"]
     assert "CPU offload" in out["offload"]
     assert "fix_gradient_accumulation_on_single_rank_groups()" in out["single rank"]
-    assert "fsdp_dtensor checkpoints are not implemented" in out["save"]
+    assert "only as an fsdp_dtensor checkpoint" in out["save"]

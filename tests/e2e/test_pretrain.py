@@ -298,8 +298,9 @@ DEFAULT_FORMAT = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable
 """COMMON with Megatron-LM's default distributed-optimizer checkpoint format."""
 
 
-FSDP_CHECKPOINTS = DEFAULT_FORMAT + MEGATRON_FSDP.split() + CLIPPING.split()
-"""DEFAULT_FORMAT on Megatron-FSDP (ZeRO-3, --ckpt-format fsdp_dtensor) with QK-Clip."""
+FSDP_CHECKPOINTS = DEFAULT_FORMAT + MEGATRON_FSDP.split() + CLIPPING.split() + ["--muon-variance-reduction", "0.95"]
+"""DEFAULT_FORMAT on Megatron-FSDP (ZeRO-3, --ckpt-format fsdp_dtensor) with QK-Clip, and
+variance reduction (a state kept per matrix on its owner, scattered to the shards to save)."""
 
 
 @pytest.fixture(scope="module")
@@ -314,8 +315,9 @@ def fsdp_uninterrupted(cache, tmp_path_factory):
 @pytest.mark.slow
 def test_megatron_fsdp_save_then_resume_same_and_other_sizes(fsdp_uninterrupted, tmp_path):
     """An fsdp_dtensor checkpoint (DCP, with our manifest) of a Muon run on Megatron-FSDP
-    resumes bit for bit at DP2, and at TP2 to reduction-order noise (DCP reshards the
-    DTensors, the GLU halves split for it); a corrupted copy is refused before any read."""
+    resumes bit for bit at DP2, and at TP2 and on one rank to reduction-order noise (DCP
+    reshards the DTensors, the GLU halves split for it); a corrupted copy is refused before
+    any read."""
     full, ckpt = fsdp_uninterrupted, fsdp_uninterrupted["ckpt"]
     assert (ckpt / "iter_0000003" / ".metadata").is_file() and (ckpt / "iter_0000003" / "integrity.json").is_file()
     want = losses(full["stdout"])
@@ -329,6 +331,8 @@ def test_megatron_fsdp_save_then_resume_same_and_other_sizes(fsdp_uninterrupted,
     assert "tensor-model-parallel size: 2" in tp2
     assert losses(tp2)[4] == pytest.approx(want[4], rel=1e-4) and losses(tp2)[6] == pytest.approx(want[6], rel=1e-4)
     assert validation(tp2)[6] == pytest.approx(validation(full["stdout"])[6], rel=1e-4)
+    dp1 = run(PRETRAIN + resume)
+    assert losses(dp1)[4] == pytest.approx(want[4], rel=1e-4) and losses(dp1)[6] == pytest.approx(want[6], rel=1e-4)
     broken = tmp_path / "ckpt"
     shutil.copytree(ckpt / "iter_0000003", broken / "iter_0000003")
     data = broken / "iter_0000003" / "__1_0.distcp"
@@ -337,6 +341,26 @@ def test_megatron_fsdp_save_then_resume_same_and_other_sizes(fsdp_uninterrupted,
     data.write_bytes(bytes(raw))
     proc = launch(TWO_RANKS + full["args"] + ["--load", str(broken), "--ckpt-step", "3"], timeout=300)
     assert proc.returncode != 0 and "__1_0.distcp" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert "iteration        4/" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_adamw_checkpoint_resumes_and_muon_refuses_it(cache, tmp_path):
+    """Megatron's own AdamW on Megatron-FSDP saves fsdp_dtensor checkpoints (megatron-core
+    0.19.2's preprocessing fails on an fp32 SwiGLU model and hangs when a rank's shard of a
+    parameter is empty: ours replaces it) and resumes bit for bit; a Muon run refuses to load
+    one (its momentum is missing) instead of silently starting from zero state."""
+    ckpt = tmp_path / "ckpt"
+    args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
+    full = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
+    resumed = run(TWO_RANKS + args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300)
+    assert all(losses(resumed)[i] == losses(full)[i] for i in (4, 6)), (losses(resumed), losses(full))
+    load = ["--data-cache-path", str(cache), "--load", str(ckpt), "--ckpt-step", "3"]
+    proc = launch(TWO_RANKS + FSDP_CHECKPOINTS + load, timeout=300)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "lacks 24 tensor(s) this run loads" in said and "--no-load-optim" in said, said[
+        -3000:
+    ]
     assert "iteration        4/" not in proc.stdout
 
 
