@@ -111,7 +111,8 @@ def optimizer_state(chain, is_loading: bool) -> Dict[str, Any]:
                 name = param_name(opt, param)
                 torch_state = opt.optimizer.state[param]
                 state[name] = {key: torch_state[key] for key in ("exp_avg", "exp_avg_sq")}
-                groups[name] = meta
+                if not is_loading:  # saved for readers of Megatron's format; the schedule sets ours
+                    groups[name] = meta
     # Loading: a placeholder that only the checkpoint's own object replaces (DCP leaves a key
     # the checkpoint lacks as it is), so a checkpoint without it is refused, not read as ours.
     common = CommonState({} if is_loading else chain_common_state(chain))

@@ -2,6 +2,8 @@
 
 python tools/convert_checkpoint.py adam-to-muon SRC DST [--momentum zeros|exp_avg]
 python tools/convert_checkpoint.py muon-to-adam SRC DST [--exp-avg zeros|momentum] [--beta1 0.9]
+python tools/convert_checkpoint.py to-torch-dist SRC DST     # Megatron-FSDP -> DistributedOptimizer
+python tools/convert_checkpoint.py to-fsdp-dtensor SRC DST   # DistributedOptimizer -> Megatron-FSDP
 python tools/convert_checkpoint.py experts SRC.pt DST.pt --to sequential|legacy_grouped [--num-experts E]
 python tools/convert_checkpoint.py inspect CKPT
 """

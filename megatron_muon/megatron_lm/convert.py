@@ -37,7 +37,7 @@ import re
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -190,7 +190,7 @@ def iteration_dir_name(iteration: int) -> str:
 
 
 def resolve_source(src: str) -> str:
-    """The torch_dist directory ``src`` names: itself, or the iteration its tracker names."""
+    """The checkpoint directory ``src`` names: itself, or the iteration its tracker names."""
     tracker = os.path.join(src, TRACKER)
     if os.path.isfile(tracker):
         latest = read_tracker(src)
@@ -202,7 +202,7 @@ def resolve_source(src: str) -> str:
         return path
     if not os.path.isfile(os.path.join(src, ".metadata")):
         raise CheckpointError(
-            f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist "
+            f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist or fsdp_dtensor "
             "checkpoint (no .metadata); give the --save directory or one iter_XXXXXXX in it"
         )
     return src
@@ -239,28 +239,37 @@ def check_destination(dst: str, iteration: int, overwrite: bool) -> None:
         )
 
 
-def publish(dst: str, iteration: int, ckpt: Checkpoint, overwrite: bool = False, source_verified: bool = True) -> str:
+def publish(
+    dst: str,
+    iteration: int,
+    ckpt: Checkpoint,
+    overwrite: bool = False,
+    source_verified: bool = True,
+    writer: Optional[Callable[[str, Checkpoint, bool], None]] = None,
+) -> str:
     """Write ``ckpt`` as ``dst/iter_XXXXXXX`` plus the tracker; returns the iteration directory.
 
     A new ``dst`` is built complete under a temporary name and renamed into place. Into an
     existing ``dst`` the iteration is written under a temporary name and swapped in
     (``swap_into_place``; an existing one only with ``overwrite``), then the tracker is
     replaced atomically; a tracker naming a later iteration is moved back only with
-    ``overwrite``. Nothing else in ``dst`` is touched.
+    ``overwrite``. Nothing else in ``dst`` is touched. ``writer`` writes the iteration
+    directory (default :func:`write_checkpoint`, torch_dist).
     """
+    writer = writer or write_checkpoint
     name = iteration_dir_name(iteration)
     final = os.path.join(dst, name)
     if not os.path.exists(dst):
         parent = os.path.dirname(os.path.abspath(dst))
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=os.path.basename(dst) + ".tmp-", dir=parent)
-        write_checkpoint(os.path.join(staging, name), ckpt, source_verified)
+        writer(os.path.join(staging, name), ckpt, source_verified)
         _write_tracker(staging, iteration)
         os.rename(staging, dst)
         return final
     check_destination(dst, iteration, overwrite)
     staging = tempfile.mkdtemp(prefix=name + ".tmp-", dir=dst)
-    write_checkpoint(os.path.join(staging, name), ckpt, source_verified)
+    writer(os.path.join(staging, name), ckpt, source_verified)
     swap_into_place(os.path.join(staging, name), final)
     os.rmdir(staging)
     _write_tracker(dst, iteration)
@@ -615,6 +624,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     exp.add_argument("--to", choices=("sequential", "legacy_grouped"), required=True)
     exp.add_argument("--num-experts", type=int, default=None, help="local experts per fused tensor")
     exp.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    for name, what in (
+        ("to-fsdp-dtensor", "torch_dist -> fsdp_dtensor"),
+        ("to-torch-dist", "fsdp_dtensor -> torch_dist"),
+    ):
+        fmt = sub.add_parser(name, help=f"a Muon checkpoint, {what} (DistributedOptimizer <-> Megatron-FSDP)")
+        fmt.add_argument("src")
+        fmt.add_argument("dst")
+        fmt.add_argument("--overwrite", action="store_true", help="replace DST's iteration if it exists")
+        fmt.add_argument("--unverified-source", action="store_true", help=UNVERIFIED_HELP)
     ins = sub.add_parser("inspect", help="print what a checkpoint holds")
     ins.add_argument("path")
     args = parser.parse_args(argv)
@@ -633,6 +651,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             )
         elif args.command == "muon-to-adam":
             print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1, args.overwrite, args.unverified_source))
+        elif args.command in ("to-fsdp-dtensor", "to-torch-dist"):
+            from .convert_fsdp import change_format
+
+            to = args.command[len("to-") :].replace("-", "_")
+            print(change_format(args.src, args.dst, to, args.overwrite, args.unverified_source))
         elif args.command == "experts":
             convert_experts_file(args.src, args.dst, args.to, args.num_experts, args.overwrite)
             print(f"wrote {args.dst}")

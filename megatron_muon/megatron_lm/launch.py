@@ -17,7 +17,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from . import corpus, cpu, recipes
 from .integration import megatron_muon_group, use_megatron_muon
@@ -214,6 +214,7 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         check_checkpoint_to_load(args)
+        check_checkpoint_format(args)
         check_optimizer_to_load(args)
     return args
 
@@ -312,6 +313,45 @@ def check_save_directory(args: argparse.Namespace) -> None:
     )
 
 
+def _iteration_to_load(args: argparse.Namespace) -> Optional[Tuple[int, str]]:
+    """(iteration, its directory) that ``--load`` / ``--ckpt-step`` name; None without a
+    readable tracker (the load path repairs it: ``checkpoint_guards``)."""
+    from .checkpoint_guards import read_tracker
+    from .convert import iteration_dir_name
+
+    tracked = read_tracker(args.load)
+    if args.ckpt_step is not None:
+        iteration = args.ckpt_step
+    elif tracked is not None and tracked.isdigit():
+        iteration = int(tracked)
+    else:
+        return None
+    return iteration, os.path.join(args.load.rstrip("/"), iteration_dir_name(iteration))
+
+
+def check_checkpoint_format(args: argparse.Namespace) -> None:
+    """``--optimizer muon --load`` of a checkpoint in the other format than the run's (an
+    fsdp_dtensor one without ``--use-megatron-fsdp``, a torch_dist one with it) stops here,
+    nothing built, with the converter command that moves it."""
+    from .convert_fsdp import is_fsdp_dtensor
+    from .integration import _ours
+
+    found = _iteration_to_load(args) if args.load and _ours(args) else None
+    if found is None or not os.path.isdir(found[1]):
+        return
+    fsdp = is_fsdp_dtensor(found[1])
+    if fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
+        return
+    src = args.load.rstrip("/")
+    dst = f"{src}_{'torch_dist' if fsdp else 'fsdp'}"
+    source = found[1] if args.ckpt_step is not None else src
+    command = f"python tools/convert_checkpoint.py {'to-torch-dist' if fsdp else 'to-fsdp-dtensor'} {source} {dst}"
+    what = "an fsdp_dtensor (Megatron-FSDP)" if fsdp else "a torch_dist (DistributedOptimizer)"
+    flag = "is without" if fsdp else "uses"
+    raise ValueError(f"--load {args.load} holds {what} checkpoint but this run {flag} --use-megatron-fsdp: "
+                     f"move it with `{command}`, then --load {dst}")  # fmt: skip
+
+
 def check_optimizer_to_load(args: argparse.Namespace) -> None:
     """``--optimizer muon --load`` of an AdamW run (Megatron's distributed optimizer, in any of
     its formats) stops here, before any model is built, with the converter command that
@@ -320,21 +360,15 @@ def check_optimizer_to_load(args: argparse.Namespace) -> None:
     from megatron_muon.checkpoint import FORMAT, CheckpointError, read_common
     from megatron_muon.integrity import has_manifest
 
-    from .checkpoint_guards import read_tracker
-    from .convert import iteration_dir_name
     from .integration import _ours
 
     if not (args.load and _ours(args)) or args.no_load_optim:
         return
-    tracked = read_tracker(args.load)
-    if args.ckpt_step is not None:
-        iteration = args.ckpt_step
-    elif tracked is not None and tracked.isdigit():
-        iteration = int(tracked)
-    else:
-        return  # no tracker, or one the load path repairs (checkpoint_guards)
+    found = _iteration_to_load(args)
+    if found is None:
+        return
+    iteration, iteration_dir = found
     src = args.load.rstrip("/")
-    iteration_dir = os.path.join(src, iteration_dir_name(iteration))
     try:
         with warnings.catch_warnings():  # torch's notice that no process group exists yet
             warnings.simplefilter("ignore")

@@ -345,6 +345,41 @@ def test_megatron_fsdp_save_then_resume_same_and_other_sizes(fsdp_uninterrupted,
 
 
 @pytest.mark.slow
+def test_megatron_fsdp_to_distributed_optimizer_and_back(fsdp_uninterrupted, cache, tmp_path):
+    """tools/convert_checkpoint.py to-torch-dist, then to-fsdp-dtensor: iteration 3 of the
+    Megatron-FSDP run resumes on the DistributedOptimizer with the same losses (1e-4: DDP
+    and Megatron-FSDP reduce in different orders), and back on Megatron-FSDP bit for bit.
+    Unconverted, the DDP run stops in one line naming the command; converting a checkpoint
+    into the format it has is refused."""
+    full, want = fsdp_uninterrupted, losses(fsdp_uninterrupted["stdout"])
+    convert = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
+    ddp, back = tmp_path / "ddp", tmp_path / "back"
+    ddp_args = (
+        DEFAULT_FORMAT + CLIPPING.split() + ["--muon-variance-reduction", "0.95", "--data-cache-path", str(cache)]
+    )
+    unconverted = launch(PRETRAIN + ddp_args + ["--load", str(full["ckpt"])], timeout=120)
+    said = unconverted.stderr.strip().splitlines()
+    assert unconverted.returncode == 2 and len(said) == 1 and "convert_checkpoint.py to-torch-dist" in said[0], said
+    run(convert + ["to-torch-dist", str(full["ckpt"] / "iter_0000003"), str(ddp)])
+    assert (ddp / "iter_0000003" / "metadata.json").is_file() and (ddp / "iter_0000003" / "integrity.json").is_file()
+    ddp_args = (
+        DEFAULT_FORMAT + CLIPPING.split() + ["--muon-variance-reduction", "0.95", "--data-cache-path", str(cache)]
+    )
+    on_ddp = run(TWO_RANKS + ddp_args + ["--load", str(ddp)], timeout=300)
+    assert sorted(losses(on_ddp)) == [4, 5, 6], on_ddp[-2000:]
+    assert losses(on_ddp)[4] == pytest.approx(want[4], rel=1e-4) and losses(on_ddp)[6] == pytest.approx(
+        want[6], rel=1e-4
+    )
+    run(convert + ["to-fsdp-dtensor", str(ddp), str(back)])
+    on_fsdp = run(TWO_RANKS + full["args"] + ["--load", str(back)], timeout=300)
+    assert all(losses(on_fsdp)[i] == want[i] for i in (4, 6)), (losses(on_fsdp), want)
+    assert validation(on_fsdp)[6] == validation(full["stdout"])[6]
+    again = launch(convert + ["to-fsdp-dtensor", str(back), str(tmp_path / "again")])
+    assert again.returncode == 2 and "is an fsdp_dtensor checkpoint already" in again.stderr, again.stderr[-2000:]
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.slow
 def test_megatron_fsdp_adamw_checkpoint_resumes_and_muon_refuses_it(cache, tmp_path):
     """Megatron's own AdamW on Megatron-FSDP saves fsdp_dtensor checkpoints (megatron-core
     0.19.2's preprocessing fails on an fp32 SwiGLU model and hangs when a rank's shard of a

@@ -1,0 +1,369 @@
+"""A Muon run moved between Megatron-FSDP (``fsdp_dtensor``) and the DistributedOptimizer
+(``torch_dist``): ``tools/convert_checkpoint.py to-torch-dist`` / ``to-fsdp-dtensor``.
+
+Both formats hold every tensor in model coordinates at its full (TP-global) shape, but name
+and lay them out differently. fsdp_dtensor keeps one tensor per parameter under the
+model's own name (``model.module.<name>``, optimizer ``optimizer.state.<name>.<state>``,
+GLU ``linear_fc1`` as ``_w`` / ``_v`` halves, experts numbered globally; the fp32 main
+weights are the model's weights). torch_dist keeps what the model's ``sharded_state_dict``
+says: layers and experts stacked into leading dims, norms under the names of the layers
+they fuse into, GLU halves at offsets of one ``[gate; up]`` tensor, the model in its own
+dtype and the fp32 masters as ``optimizer.state.param``.
+
+That correspondence is not written out here: :func:`model_layout` builds the run's model
+(from the checkpoint's own arguments, on the meta device, one rank) and reads it off the
+model's ``sharded_state_dict``, piece by piece. Every torch_dist tensor must be tiled
+exactly by the pieces, every fsdp_dtensor tensor used: otherwise the conversion stops.
+RNG states move between the two forms of Megatron-LM's per-(PP, TP) rank record.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Set, Tuple
+
+import torch
+
+from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, CheckpointError, _model_param_metadata
+from megatron_muon.checkpoint import state_key as torch_dist_key
+from megatron_muon.fsdp_dtensor import GLU_HALVES, CommonState, glu_parameters, strip_wrappers
+from megatron_muon.integrity import write_manifest
+
+from .convert import (
+    Checkpoint,
+    _ensure_process_group,
+    check_paths,
+    check_source,
+    checkpoint_iteration,
+    publish,
+    read_checkpoint,
+    resolve_source,
+    write_checkpoint,
+)
+
+COMMON = "optimizer.muon.common"
+OPTIMIZER_STATE = "optimizer.state."
+CONTENT_METADATA = {  # how Megatron-LM labels a torch_dist save of ours (fully reshardable)
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "distrib_optim_fully_reshardable_mem_efficient": False,
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
+Piece = Tuple[str, Tuple[int, ...], Tuple[int, ...]]
+"""(torch_dist key, global offset, shape of the piece)."""
+
+
+@dataclass
+class Layout:
+    """Where each model tensor (by its unwrapped name) lies in a torch_dist checkpoint."""
+
+    model: Dict[str, List[Piece]] = field(default_factory=dict)
+    """Every piece of every parameter and buffer (a tied weight lies under two keys)."""
+    state: Dict[str, List[Piece]] = field(default_factory=dict)
+    """The pieces its optimizer states and fp32 master lie in (parameters only)."""
+    shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]] = field(default_factory=dict)
+    """torch_dist model key -> (global shape, dtype)."""
+    objects: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any] = field(default_factory=dict)
+    glu: Set[str] = field(default_factory=set)
+    """Names kept as ``_w`` / ``_v`` halves in fsdp_dtensor checkpoints."""
+
+
+def _built(sharded) -> list:
+    """The ShardedTensors a ShardedTensor or ShardedTensorFactory (GLU: gate, up) stands for."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return list(nested_values(sharded.build())) if hasattr(sharded, "build_fn") else [sharded]
+
+
+def _piece(t) -> Piece:
+    return (t.key, tuple(t.global_offset), tuple(t.local_shape))
+
+
+def model_layout(saved_args) -> Layout:
+    """The layout of the model ``saved_args`` (Megatron-LM's arguments of the run) describes,
+    built on the meta device at TP1/PP1/EP1 with ``tools/pretrain_gpt.py``'s config."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models.gpt import GPTModelBuilder
+
+    from .layer_spec import megatron_lm_layer_spec
+
+    if saved_args is None:
+        raise CheckpointError("the checkpoint holds no Megatron-LM arguments: its model cannot be rebuilt")
+    _ensure_process_group()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    args = copy.copy(saved_args)
+    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                 "expert_tensor_parallel_size", "context_parallel_size"):  # fmt: skip
+        setattr(args, name, 1)
+    args.sequence_parallel, args.use_cpu_initialization = False, True
+    config = gpt_config_from_args(args)
+    if args.spec is None:
+        config.transformer_layer_spec = megatron_lm_layer_spec
+    config.transformer.perform_initialization = False
+    with torch.device("meta"):
+        model = GPTModelBuilder(config).build_model(
+            ProcessGroupCollection.use_mpu_process_groups(), pre_process=True, post_process=True
+        )
+    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    params = {id(p) for p in model.parameters()}
+    layout = Layout(glu=set(glu_parameters(model)))
+    sharded = model.sharded_state_dict()
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedObject):
+            layout.objects[(value.key, tuple(value.global_offset), tuple(value.global_shape))] = value.data
+        elif id(getattr(value, "data", None)) in names:
+            for t in _built(value):
+                layout.model.setdefault(names[id(value.data)], []).append(_piece(t))
+                layout.shapes[t.key] = (tuple(t.global_shape), t.dtype)
+    for pid, sh in _model_param_metadata(sharded).items():
+        if pid in params:
+            layout.state[names[pid]] = [_piece(t) for t in _built(sh)]
+    return layout
+
+
+def _index(offset: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[slice, ...]:
+    """A piece's slice of its global tensor (one element of each prepended layer / expert dim)."""
+    sizes = (1,) * (len(offset) - len(shape)) + tuple(shape)
+    return tuple(slice(o, o + n) for o, n in zip(offset, sizes))
+
+
+def _place(pieces: List[Piece], whole: torch.Tensor, out: Dict[str, torch.Tensor], filled: Dict[str, int]) -> None:
+    """Write ``whole`` (a model tensor) into the torch_dist tensors ``out`` at its pieces
+    (split along dim 0: a GLU weight's gate and up rows)."""
+    rows = [shape[0] for _, _, shape in pieces]
+    if sum(rows) != whole.shape[0]:
+        raise CheckpointError(f"a tensor of shape {tuple(whole.shape)} does not fit pieces {pieces}")
+    for (key, offset, shape), part in zip(pieces, whole.split(rows)):
+        index = _index(offset, shape)
+        out[key][index] = part.reshape(out[key][index].shape)
+        filled[key] = filled.get(key, 0) + part.numel()
+
+
+def _take(pieces: List[Piece], tensors: Dict[str, torch.Tensor]) -> torch.Tensor:
+    """A model tensor from its pieces of the torch_dist tensors (joined along dim 0)."""
+    parts = [tensors[key][_index(offset, shape)].reshape(shape) for key, offset, shape in pieces]
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _check_tiled(filled: Dict[str, int], tensors: Dict[str, torch.Tensor]) -> None:
+    for key, tensor in tensors.items():
+        if filled.get(key, 0) != tensor.numel():
+            raise CheckpointError(
+                f"{key}: {filled.get(key, 0)} of its {tensor.numel()} elements found in the source; the model its "
+                "arguments describe does not match the checkpoint's tensors (another layer spec or backend?)"
+            )
+
+
+def _retarget(args, use_megatron_fsdp: bool):
+    args = copy.copy(args)
+    args.use_megatron_fsdp = use_megatron_fsdp
+    args.ckpt_format = "fsdp_dtensor" if use_megatron_fsdp else "torch_dist"
+    return args
+
+
+def _nest(flat: Dict[str, Any], prefix: str) -> Dict[str, Any]:
+    """``{prefix + "a.b": v}`` -> ``{"a": {"b": v}}`` (DCP's flattening undone)."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        if key.startswith(prefix):
+            *path, last = key[len(prefix) :].split(".")
+            node = out
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = value
+    return out
+
+
+def _rng_objects(rng: Dict[str, Any], args) -> Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any]:
+    """fsdp_dtensor's ``rng_state`` (``{"(pp, tp)": [state, ...]}``, the list flattened by
+    DCP into ``"0"``, ``"1"``... keys) as torch_dist's ``rng_state`` sharded objects."""
+    grid = (args.pipeline_model_parallel_size, args.tensor_model_parallel_size)
+    out = {}
+    for where, states in rng.items():
+        offset = tuple(int(x) for x in where.strip("()").split(","))
+        out[("rng_state", offset, grid)] = [states[str(i)] for i in range(len(states))]
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# fsdp_dtensor -> the converter's torch_dist form
+# ---------------------------------------------------------------------------------------
+
+
+def is_fsdp_dtensor(path: str) -> bool:
+    """Whether ``path`` is an fsdp_dtensor checkpoint (DCP, without dist-checkpointing's
+    ``metadata.json``)."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(os.path.join(path, "metadata.json"))
+
+
+def _load_everything(path: str) -> Dict[str, Any]:
+    """Every tensor (whole) and object of the DCP checkpoint ``path``, by DCP key."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    _ensure_process_group()
+    reader = dcp.FileSystemReader(path)
+    try:
+        metadata = reader.read_metadata().state_dict_metadata
+        state = {
+            key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+            for key, md in metadata.items()
+        }
+        dcp.load(state, storage_reader=reader)
+    except _READ_ERRORS as e:
+        raise CheckpointError(f"{path} could not be read as an fsdp_dtensor checkpoint: {e}") from e
+    return state
+
+
+def _join_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Unwrapped names -> tensors, GLU ``_w`` / ``_v`` halves joined into one ``[gate; up]``."""
+    out, halves = {}, {}
+    for key, tensor in tensors.items():
+        name = strip_wrappers(key)
+        suffix = name[-2:]
+        if suffix in GLU_HALVES and ".linear_fc1." in name:
+            halves.setdefault(name[:-2], {})[suffix] = tensor
+        else:
+            out[name] = tensor
+    for name, pair in halves.items():
+        out[name] = torch.cat([pair[s] for s in GLU_HALVES])
+    return out
+
+
+def read_fsdp_dtensor(path: str) -> Checkpoint:
+    """The fsdp_dtensor checkpoint of a Muon run at ``path`` in the converter's torch_dist
+    form (verify it first: ``convert.check_source``)."""
+    flat = _load_everything(path)
+    common = flat.get(COMMON)
+    if not (isinstance(common, CommonState) and common.value.get("format") == FORMAT):
+        raise CheckpointError(f"{path} holds no Muon optimizer state of megatron_muon; only a Muon run is converted")
+    args = flat.get("args")
+    layout = model_layout(args)
+    model = _join_halves({k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
+    states: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, value in flat.items():
+        if key.startswith(OPTIMIZER_STATE) and isinstance(value, torch.Tensor):
+            name, state = key[len(OPTIMIZER_STATE) :].rsplit(".", 1)
+            states.setdefault(state, {})[name] = value
+    ckpt = Checkpoint(objects=dict(layout.objects))
+    filled: Dict[str, int] = {}
+    for key, (shape, dtype) in layout.shapes.items():
+        ckpt.tensors[key] = torch.zeros(shape, dtype=dtype)
+    unused = set(model) - set(layout.model)
+    if unused:
+        raise CheckpointError(f"{path} holds {sorted(unused)[:3]}..., which the model its arguments describe lacks")
+    for name, pieces in layout.model.items():
+        if name not in model:
+            raise CheckpointError(f"{path} lacks the model tensor {name}")
+        _place(pieces, model[name], ckpt.tensors, filled)
+    _check_tiled(filled, ckpt.tensors)
+    for state, by_name in [("param", model), *((s, _join_halves(t)) for s, t in states.items())]:
+        tensors: Dict[str, torch.Tensor] = {}
+        filled = {}
+        for name, pieces in layout.state.items():
+            if name in by_name:
+                for key, _, _ in pieces:
+                    tensors.setdefault(key, torch.zeros(layout.shapes[key][0], dtype=torch.float32))
+                _place(pieces, by_name[name].float(), tensors, filled)
+        _check_tiled(filled, tensors)
+        ckpt.tensors.update({torch_dist_key(state, key): t for key, t in tensors.items()})
+    ckpt.objects.update(_rng_objects(_nest(flat, "rng_state."), args))
+    ckpt.common = {
+        "args": _retarget(args, use_megatron_fsdp=False),
+        "checkpoint_version": flat.get("checkpoint_version"),
+        "iteration": flat.get("iteration"),
+        "optimizer": common.value,
+        "opt_param_scheduler": _nest(flat, "opt_param_scheduler."),
+        "rerun_state_machine": _nest(flat, "rerun_state_machine.") or None,
+        "num_floating_point_operations_so_far": flat.get("num_floating_point_operations_so_far", 0),
+        "content_metadata": dict(CONTENT_METADATA),
+    }
+    return ckpt
+
+
+# ---------------------------------------------------------------------------------------
+# The torch_dist form -> fsdp_dtensor
+# ---------------------------------------------------------------------------------------
+
+
+def _halves(name: str, tensor: torch.Tensor, glu: Set[str]) -> Dict[str, torch.Tensor]:
+    if name not in glu:
+        return {name: tensor}
+    return {name + suffix: half.contiguous() for suffix, half in zip(GLU_HALVES, tensor.chunk(2))}
+
+
+def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True) -> None:
+    """Write the torch_dist form ``ckpt`` of a Muon run as an fsdp_dtensor checkpoint into
+    the new, empty directory ``path``, manifest last (``convert.write_checkpoint``'s twin)."""
+    import torch.distributed.checkpoint as dcp
+
+    optimizer = ckpt.common.get("optimizer", {})
+    if optimizer.get("format") != FORMAT:
+        raise CheckpointError("only a Muon checkpoint of megatron_muon moves to Megatron-FSDP (adam-to-muon first)")
+    layout = model_layout(ckpt.common.get("args"))
+    by_state: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key, tensor in ckpt.tensors.items():
+        if key.startswith(OPTIMIZER_STATE):
+            state, name = key[len(OPTIMIZER_STATE) :].split(".", 1)
+            by_state.setdefault(state, {})[name] = tensor
+    masters = by_state.pop("param", {})
+    model, states = {}, {}
+    for name, pieces in layout.model.items():
+        if name in layout.state:  # Megatron-FSDP's model weights are the fp32 main weights
+            whole = _take(layout.state[name], masters).float()
+        else:  # a buffer (the router's expert bias)
+            whole = _take(pieces, ckpt.tensors)
+        model.update(_halves(name, whole, layout.glu))
+        for state, tensors in by_state.items():
+            if name in layout.state and all(key in tensors for key, _, _ in layout.state[name]):
+                for half, tensor in _halves(name, _take(layout.state[name], tensors).float(), layout.glu).items():
+                    states.setdefault(half, {})[state] = tensor
+    state_dict = {
+        "model": {f"module.{k}": v for k, v in model.items()},
+        "optimizer": {"state": states, "param_to_group_meta": {}, "muon": {"common": CommonState(optimizer)}},
+        "args": _retarget(ckpt.common.get("args"), use_megatron_fsdp=True),
+        "iteration": ckpt.common.get("iteration"),
+        "checkpoint_version": ckpt.common.get("checkpoint_version"),
+        "num_floating_point_operations_so_far": ckpt.common.get("num_floating_point_operations_so_far", 0),
+    }
+    for name in ("opt_param_scheduler", "rerun_state_machine"):
+        if ckpt.common.get(name):
+            state_dict[name] = ckpt.common[name]
+    rng = {
+        f"({', '.join(map(str, offset))})": value
+        for (key, offset, _), value in ckpt.objects.items()
+        if key == "rng_state"
+    }
+    if rng:
+        state_dict["rng_state"] = rng
+    os.makedirs(path, exist_ok=False)
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(path))
+    write_manifest(path, source_verified=source_verified)
+
+
+def change_format(src: str, dst: str, to: str, overwrite: bool = False, unverified_source: bool = False) -> Dict:
+    """``to-fsdp-dtensor`` / ``to-torch-dist``: the Muon checkpoint ``src`` in the other
+    format, published as ``dst``'s iteration (``convert.publish``: staged, manifest, tracker)."""
+    check_paths(src, dst)
+    source = resolve_source(src)
+    verified = check_source(source, unverified_source)
+    to_fsdp = to == "fsdp_dtensor"
+    if is_fsdp_dtensor(source) == to_fsdp:
+        raise CheckpointError(f"{source} is an {to} checkpoint already")
+    if to_fsdp:
+        ckpt = read_checkpoint(source)
+        if ckpt.common.get("optimizer", {}).get("format") != FORMAT:
+            raise CheckpointError(f"{source} holds no Muon optimizer state of megatron_muon: adam-to-muon first")
+    else:
+        ckpt = read_fsdp_dtensor(source)
+    iteration = checkpoint_iteration(ckpt)
+    writer = write_fsdp_dtensor if to_fsdp else write_checkpoint
+    written = publish(dst, iteration, ckpt, overwrite, source_verified=verified, writer=writer)
+    return {"tensors": len(ckpt.tensors), "iteration": iteration, "wrote": written}
