@@ -97,6 +97,8 @@ def optimizer_state(chain, is_loading: bool) -> Dict[str, Any]:
         init_state(opt.optimizer)  # AdamW states on every rank, empty shards included
         values = {} if is_loading else shard_values(opt)  # collective with owner-kept states
         for name, param in _muon_params(opt):
+            if not is_loading:  # Megatron's group settings, for a conversion to its AdamW (muon-to-adam)
+                groups[name] = {k: v for k, v in opt.muon_group_of[id(param)].items() if k != "params"}
             mine = values.get(id(param), {})
             entry = state[name] = {}
             for key in state_names(opt, param)[1:]:  # the master is the model's weight
@@ -111,7 +113,7 @@ def optimizer_state(chain, is_loading: bool) -> Dict[str, Any]:
                 name = param_name(opt, param)
                 torch_state = opt.optimizer.state[param]
                 state[name] = {key: torch_state[key] for key in ("exp_avg", "exp_avg_sq")}
-                if not is_loading:  # saved for readers of Megatron's format; the schedule sets ours
+                if not is_loading:  # Megatron's format has it; on loading, the schedule sets ours
                     groups[name] = meta
     # Loading: a placeholder that only the checkpoint's own object replaces (DCP leaves a key
     # the checkpoint lacks as it is), so a checkpoint without it is refused, not read as ours.

@@ -189,9 +189,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
         from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
 
+        self.muon_group_of: Dict[int, dict] = {}
+        """id(DTensor parameter) -> its Muon group (its master may be absent here: an empty shard)."""
         for group in self.optimizer.muon_groups:
             masters = []
             for param in group["params"]:
+                self.muon_group_of[id(param)] = group
                 master = self.shard_map.master(param)
                 if master is None:
                     continue

@@ -421,29 +421,38 @@ def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) ->
 
 
 REQUIRED_STATES = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-"""Optimizer states an fsdp_dtensor checkpoint must hold for every parameter (a Muon state
-switched on since, e.g. ``second_moment``, starts at zero)."""
+"""Optimizer states an fsdp_dtensor checkpoint must hold for every parameter it holds; a
+Muon state switched on since (``second_moment`` of variance reduction) starts at zero."""
 
 
-def check_holds_state(state_dict: dict, checkpoint_dir: str) -> None:
-    """Refuse an fsdp_dtensor checkpoint that lacks a weight of this run's model or one of
-    its optimizer states: Megatron-LM loads fsdp_dtensor checkpoints partially by default,
-    and what is missing would silently stay as initialized."""
+def check_holds_state(state_dict: dict, checkpoint_dir: str) -> dict:
+    """``state_dict`` (what a load asks the fsdp_dtensor checkpoint for) without the optional
+    optimizer states the checkpoint lacks (they start at zero, as on torch_dist); refuses,
+    naming them, a checkpoint that lacks a weight or a required state (Megatron-LM's strict
+    DCP load would fail on it without saying what to do; a partial one would leave it as
+    initialized)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     saved = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
-    wanted = [f"model.{key}" for key in state_dict.get("model", {})]
+    missing = sorted(f"model.{key}" for key in state_dict.get("model", {}) if f"model.{key}" not in saved)
     optimizer = state_dict.get("optimizer")
-    if isinstance(optimizer, dict):
-        for name, states in optimizer.get("state", {}).items():
-            wanted += [f"optimizer.state.{name}.{s}" for s in states if s in REQUIRED_STATES]
-    missing = sorted(key for key in wanted if key not in saved)
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        kept = {}
+        for name, states in optimizer["state"].items():
+            kept[name] = {
+                s: v for s, v in states.items() if f"optimizer.state.{name}.{s}" in saved or s in REQUIRED_STATES
+            }
+            missing += sorted(
+                f"optimizer.state.{name}.{s}" for s in kept[name] if f"optimizer.state.{name}.{s}" not in saved
+            )
+        state_dict = dict(state_dict, optimizer=dict(optimizer, state=kept))
     if missing:
         raise CheckpointError(
             f"{checkpoint_dir} lacks {len(missing)} tensor(s) this run loads ({', '.join(missing[:3])}"
             f"{', ...' if len(missing) > 3 else ''}): it was saved from another model or optimizer; load it with "
             "the flags it was trained with, or pass --no-load-optim for the weights alone"
         )
+    return state_dict
 
 
 def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
@@ -455,7 +464,7 @@ def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
     def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
         state_dict = preprocess_state_dict(args, raw_state_dict, model)
         if guards.fsdp_dtensor_dir is not None:  # set while a load reads that directory
-            check_holds_state(state_dict, guards.fsdp_dtensor_dir)
+            state_dict = check_holds_state(state_dict, guards.fsdp_dtensor_dir)
         return state_dict
 
     preprocess_fsdp_dtensor_state_dict.__wrapped__ = original  # type: ignore[attr-defined]

@@ -76,6 +76,8 @@ class Checkpoint:
     objects: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any] = field(default_factory=dict)
     """(key, global offset, global shape) -> object (e.g. layers' ``_extra_state``)."""
     common: Dict[str, Any] = field(default_factory=dict)
+    group_meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    """Read from an fsdp_dtensor checkpoint: parameter name -> its optimizer group's settings."""
 
 
 def _ensure_process_group() -> None:
@@ -329,10 +331,14 @@ def adam_to_muon(
     Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
     ``exp_avg`` with ``momentum='exp_avg'``) instead of their AdamW moments; the scalar
     parameters keep their AdamW state."""
+    from .convert_fsdp import is_fsdp_dtensor, read_fsdp_dtensor, write_fsdp_dtensor
+
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
-    common = read_common(source)
+    fsdp = is_fsdp_dtensor(source)
+    ckpt = read_fsdp_dtensor(source, adam=True) if fsdp else None
+    common = ckpt.common if fsdp else read_common(source)
     iteration = checkpoint_iteration(Checkpoint(common=common))
     check_destination(dst, iteration, overwrite)
     opt_common = common.get("optimizer", {})
@@ -340,7 +346,9 @@ def adam_to_muon(
         raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
     if "param_state_sharding_type" not in opt_common:
         raise CheckpointError(f"{source} holds no Megatron distributed-optimizer state (saved with --no-save-optim?)")
-    if opt_common["param_state_sharding_type"] == "fully_reshardable":
+    if fsdp:
+        pass  # read whole above (Megatron-FSDP's format is parameter by parameter)
+    elif opt_common["param_state_sharding_type"] == "fully_reshardable":
         ckpt = read_checkpoint(source)
     else:  # Megatron-LM's default (DDP buckets): Megatron-LM re-saves it parameter by parameter
         ckpt = _read_resaved(source, iteration, common, dst)
@@ -366,7 +374,8 @@ def adam_to_muon(
     dense = {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}
     ckpt.common["optimizer"] = dict(common_state(step, {"dense": dense}, {}), converted_from="megatron_adam")
     _retarget_args(ckpt, "muon")
-    written = publish(dst, iteration, ckpt, overwrite, source_verified=verified)
+    writer = write_fsdp_dtensor if fsdp else None
+    written = publish(dst, iteration, ckpt, overwrite, source_verified=verified, writer=writer)
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
 
 
@@ -407,11 +416,18 @@ def muon_to_adam(
     ``exp_avg='momentum'`` (Muon's momentum is a plain sum, AdamW's an average);
     ``exp_avg_sq`` is zero (printed as a warning: AdamW's first steps then take
     sign-like updates of size lr)."""
+    from .convert_fsdp import is_fsdp_dtensor, read_fsdp_dtensor, write_fsdp_dtensor
+
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
-    check_destination(dst, checkpoint_iteration(Checkpoint(common=read_common(source))), overwrite)
-    ckpt = read_checkpoint(source)
+    fsdp = is_fsdp_dtensor(source)
+    if fsdp:
+        ckpt = read_fsdp_dtensor(source)
+        check_destination(dst, checkpoint_iteration(ckpt), overwrite)
+    else:
+        check_destination(dst, checkpoint_iteration(Checkpoint(common=read_common(source))), overwrite)
+        ckpt = read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") != FORMAT:
         raise CheckpointError(
@@ -451,7 +467,8 @@ def muon_to_adam(
             ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable"
         )
     _retarget_args(ckpt, "adam")
-    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite, source_verified=verified)
+    writer = write_fsdp_dtensor if fsdp else None
+    written = publish(dst, checkpoint_iteration(ckpt), ckpt, overwrite, source_verified=verified, writer=writer)
     return {"converted": converted, "step": step, "wrote": written}
 
 

@@ -237,22 +237,54 @@ def _join_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return out
 
 
-def read_fsdp_dtensor(path: str) -> Checkpoint:
-    """The fsdp_dtensor checkpoint of a Muon run at ``path`` in the converter's torch_dist
-    form (verify it first: ``convert.check_source``)."""
+GROUP_META = "optimizer.param_to_group_meta."
+
+
+def _group_metas(flat: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Unwrapped parameter name -> its optimizer group's settings (``param_to_group_meta``)."""
+    metas: Dict[str, Dict[str, Any]] = {}
+    for key, value in flat.items():
+        if key.startswith(GROUP_META):
+            name, setting = key[len(GROUP_META) :].rsplit(".", 1)
+            metas.setdefault(strip_wrappers(name), {})[setting] = value
+    return metas
+
+
+def _adam_common(flat: Dict[str, Any]) -> Dict[str, Any]:
+    """Megatron's AdamW common state (``fully_reshardable``, as ``convert.adam_to_muon``
+    reads it) from an fsdp_dtensor checkpoint of its: the parameter groups (each
+    parameter's ``param_to_group_meta``, distinct), with the largest per-parameter step."""
+    metas = _group_metas(flat)
+    steps = [float(v) for k, v in flat.items() if k.startswith(OPTIMIZER_STATE) and k.endswith(".step")]
+    groups = []
+    for meta in metas.values():
+        if meta not in groups:
+            groups.append(meta)
+    for group in groups:
+        group["step"] = max(steps, default=0.0)
+    return {"param_state_sharding_type": "fully_reshardable", "optimizer": {"param_groups": groups}}
+
+
+def read_fsdp_dtensor(path: str, adam: bool = False) -> Checkpoint:
+    """The fsdp_dtensor checkpoint at ``path`` in the converter's torch_dist form (verify it
+    first: ``convert.check_source``): a Muon run's, or with ``adam`` Megatron's AdamW's."""
     flat = _load_everything(path)
     common = flat.get(COMMON)
-    if not (isinstance(common, CommonState) and common.value.get("format") == FORMAT):
+    if isinstance(common, CommonState) and common.value.get("format") == FORMAT:
+        optimizer = common.value
+    elif adam and any(k.startswith(GROUP_META) for k in flat):
+        optimizer = _adam_common(flat)
+    else:
         raise CheckpointError(f"{path} holds no Muon optimizer state of megatron_muon; only a Muon run is converted")
     args = flat.get("args")
     layout = model_layout(args)
     model = _join_halves({k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")})
     states: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, value in flat.items():
-        if key.startswith(OPTIMIZER_STATE) and isinstance(value, torch.Tensor):
+        if key.startswith(OPTIMIZER_STATE) and isinstance(value, torch.Tensor) and value.dim() > 0:
             name, state = key[len(OPTIMIZER_STATE) :].rsplit(".", 1)
             states.setdefault(state, {})[name] = value
-    ckpt = Checkpoint(objects=dict(layout.objects))
+    ckpt = Checkpoint(objects=dict(layout.objects), group_meta=_group_metas(flat))
     filled: Dict[str, int] = {}
     for key, (shape, dtype) in layout.shapes.items():
         ckpt.tensors[key] = torch.zeros(shape, dtype=dtype)
@@ -279,7 +311,7 @@ def read_fsdp_dtensor(path: str) -> Checkpoint:
         "args": _retarget(args, use_megatron_fsdp=False),
         "checkpoint_version": flat.get("checkpoint_version"),
         "iteration": flat.get("iteration"),
-        "optimizer": common.value,
+        "optimizer": optimizer,
         "opt_param_scheduler": _nest(flat, "opt_param_scheduler."),
         "rerun_state_machine": _nest(flat, "rerun_state_machine.") or None,
         "num_floating_point_operations_so_far": flat.get("num_floating_point_operations_so_far", 0),
@@ -305,9 +337,11 @@ def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True
     import torch.distributed.checkpoint as dcp
 
     optimizer = ckpt.common.get("optimizer", {})
-    if optimizer.get("format") != FORMAT:
+    adam = "param_state_sharding_type" in optimizer  # Megatron's AdamW (muon-to-adam)
+    if optimizer.get("format") != FORMAT and not adam:
         raise CheckpointError("only a Muon checkpoint of megatron_muon moves to Megatron-FSDP (adam-to-muon first)")
-    layout = model_layout(ckpt.common.get("args"))
+    args = ckpt.common.get("args")
+    layout = model_layout(args)
     by_state: Dict[str, Dict[str, torch.Tensor]] = {}
     for key, tensor in ckpt.tensors.items():
         if key.startswith(OPTIMIZER_STATE):
@@ -327,7 +361,9 @@ def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True
                     states.setdefault(half, {})[state] = tensor
     state_dict = {
         "model": {f"module.{k}": v for k, v in model.items()},
-        "optimizer": {"state": states, "param_to_group_meta": {}, "muon": {"common": CommonState(optimizer)}},
+        "optimizer": _adam_optimizer(ckpt, layout, states, args)
+        if adam
+        else {"state": states, "param_to_group_meta": {}, "muon": {"common": CommonState(optimizer)}},
         "args": _retarget(ckpt.common.get("args"), use_megatron_fsdp=True),
         "iteration": ckpt.common.get("iteration"),
         "checkpoint_version": ckpt.common.get("checkpoint_version"),
@@ -346,6 +382,25 @@ def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True
     os.makedirs(path, exist_ok=False)
     dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(path))
     write_manifest(path, source_verified=source_verified)
+
+
+def _adam_optimizer(ckpt: Checkpoint, layout: Layout, states: Dict[str, Dict[str, torch.Tensor]], args) -> Dict:
+    """Megatron AdamW's fsdp_dtensor optimizer state: its own parameter names (the wrappers'
+    ``module.`` prefixes, one more with a ``Float16Module``), a step per parameter, and
+    every parameter's group settings, from the Muon checkpoint's (``muon`` flag dropped)."""
+    prefix = "module.module." + ("module." if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "")
+    groups = ckpt.common["optimizer"]["optimizer"]["param_groups"]
+    step = torch.tensor(float(max((g.get("step", 0) for g in groups), default=0)))
+    metas = {}
+    for name in layout.state:
+        if name not in ckpt.group_meta:
+            raise CheckpointError(
+                f"the checkpoint holds no optimizer group settings of {name} (saved by an older megatron_muon); "
+                "muon-to-adam it on torch_dist (to-torch-dist first)"
+            )
+        metas[prefix + name] = {k: v for k, v in ckpt.group_meta[name].items() if k != "muon"}
+    state = {prefix + name: dict(s, step=step.clone()) for name, s in states.items()}
+    return {"state": state, "param_to_group_meta": metas}
 
 
 def change_format(src: str, dst: str, to: str, overwrite: bool = False, unverified_source: bool = False) -> Dict:

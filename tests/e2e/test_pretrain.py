@@ -379,24 +379,48 @@ def test_megatron_fsdp_to_distributed_optimizer_and_back(fsdp_uninterrupted, cac
     assert not (tmp_path / "again").exists()
 
 
+@pytest.fixture(scope="module")
+def fsdp_adamw(cache, tmp_path_factory):
+    """Megatron's own AdamW on Megatron-FSDP, DP2, 6 iterations saving at 3 and 6."""
+    ckpt = tmp_path_factory.mktemp("fsdp_adamw") / "ckpt"
+    args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
+    stdout = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
+    return dict(args=args, stdout=stdout, ckpt=ckpt)
+
+
 @pytest.mark.slow
-def test_megatron_fsdp_adamw_checkpoint_resumes_and_muon_refuses_it(cache, tmp_path):
+def test_megatron_fsdp_adamw_checkpoint_resumes_and_muon_refuses_it(fsdp_adamw, cache):
     """Megatron's own AdamW on Megatron-FSDP saves fsdp_dtensor checkpoints (megatron-core
     0.19.2's preprocessing fails on an fp32 SwiGLU model and hangs when a rank's shard of a
     parameter is empty: ours replaces it) and resumes bit for bit; a Muon run refuses to load
-    one (its momentum is missing) instead of silently starting from zero state."""
-    ckpt = tmp_path / "ckpt"
-    args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
-    full = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
-    resumed = run(TWO_RANKS + args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300)
-    assert all(losses(resumed)[i] == losses(full)[i] for i in (4, 6)), (losses(resumed), losses(full))
+    one in one line (its momentum is missing) instead of failing deep in DCP."""
+    full, ckpt = fsdp_adamw, fsdp_adamw["ckpt"]
+    resumed = run(TWO_RANKS + full["args"] + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300)
+    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 6)), (losses(resumed), full["stdout"])
     load = ["--data-cache-path", str(cache), "--load", str(ckpt), "--ckpt-step", "3"]
     proc = launch(TWO_RANKS + FSDP_CHECKPOINTS + load, timeout=300)
     said = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "lacks 24 tensor(s) this run loads" in said and "--no-load-optim" in said, said[
-        -3000:
-    ]
+    assert proc.returncode != 0 and "tensor(s) this run loads" in said and "--no-load-optim" in said, said[-3000:]
     assert "iteration        4/" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_megatron_fsdp_adam_to_muon_and_back(fsdp_adamw, fsdp_uninterrupted, tmp_path):
+    """adam-to-muon and muon-to-adam on fsdp_dtensor checkpoints: each converted iteration 3
+    resumes on Megatron-FSDP with the other optimizer from the same weights (iteration 4's
+    loss, computed before any step, equals the source run's) and trains. The Muon run also
+    starts variance reduction's second moment at zero (the AdamW checkpoint has none)."""
+    convert = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
+    muon, adam = tmp_path / "muon", tmp_path / "adam"
+    stats = run(
+        convert + ["adam-to-muon", str(fsdp_adamw["ckpt"] / "iter_0000003"), str(muon), "--momentum", "exp_avg"]
+    )
+    assert "'step': 3" in stats, stats
+    on_muon = losses(run(TWO_RANKS + fsdp_uninterrupted["args"] + ["--load", str(muon)], timeout=300))
+    assert on_muon[4] == losses(fsdp_adamw["stdout"])[4] and on_muon[6] < on_muon[4], on_muon
+    run(convert + ["muon-to-adam", str(fsdp_uninterrupted["ckpt"] / "iter_0000003"), str(adam)])
+    on_adam = losses(run(TWO_RANKS + fsdp_adamw["args"] + ["--load", str(adam)], timeout=300))
+    assert on_adam[4] == losses(fsdp_uninterrupted["stdout"])[4] and on_adam[6] < on_adam[4], on_adam
 
 
 @pytest.fixture(scope="module")
