@@ -1,11 +1,14 @@
 """Checkpoint conversion: Megatron AdamW <-> Muon, expert layouts, and a readable summary.
 
-Works on whole torch_dist checkpoints in one process (no model is built): every tensor
-is read at its full global shape, transformed by key, and written back with Megatron's
-own ``dist_checkpointing.save``, so the result loads into any parallel layout. An AdamW
+Works on whole torch_dist checkpoints in one process: every tensor is read at its full
+global shape, transformed by key, and written back with Megatron's own
+``dist_checkpointing.save``, so the result loads into any parallel layout. An AdamW
 source in Megatron-LM's default optimizer format (DDP buckets, not parameters) is first
 re-saved fully reshardable by Megatron-LM itself, with the run's own arguments
-(:mod:`.resave`).
+(:mod:`.resave`). Megatron-FSDP's fsdp_dtensor checkpoints are read into and written from
+the same in-memory form by :mod:`.convert_fsdp` (which builds the model on the meta device
+to learn torch_dist's layout), so ``adam-to-muon`` / ``muon-to-adam`` take either format
+and ``to-torch-dist`` / ``to-fsdp-dtensor`` move a Muon run between them.
 
 Megatron-LM's layout on both sides: the source is a checkpoint directory (``--save`` of
 ``tools/pretrain_gpt.py``, whose ``latest_checkpointed_iteration.txt`` names the iteration)
@@ -477,9 +480,12 @@ def inspect(path: str) -> str:
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from .convert_fsdp import fsdp_common, is_fsdp_dtensor
+
     path = resolve_source(path)
     metadata = _read_metadata(path)
-    common = dist_checkpointing.load_common_state_dict(path)
+    fsdp = is_fsdp_dtensor(path)
+    common = fsdp_common(path) if fsdp else dist_checkpointing.load_common_state_dict(path)
     opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}
     kind = (
         "muon"
@@ -502,16 +508,20 @@ def inspect(path: str) -> str:
     by_state: Dict[str, int] = {}
     total = 0
     for key, md in tensors.items():
+        if key.startswith("rng_state"):
+            continue  # an fsdp_dtensor checkpoint's generator states (objects in torch_dist)
         numel = 1
         for s in md.size:
             numel *= s
         total += numel * md.properties.dtype.itemsize
-        group = key.split(".")[2] if key.startswith(STATE_PREFIX) else "model"
+        group = "model"
+        if key.startswith(STATE_PREFIX):
+            group = key.rsplit(".", 1)[1] if fsdp else key.split(".")[2]
         by_state[group] = by_state.get(group, 0) + numel
     lines.append(f"tensors: {len(tensors)}, {total / 2**20:.1f} MiB")
     for group, numel in sorted(by_state.items()):
         lines.append(f"  {group:16s} {numel:>14,d} elements")
-    model = [k for k in tensors if not k.startswith(STATE_PREFIX)]
+    model = [k for k in tensors if not k.startswith((STATE_PREFIX, "rng_state"))]
     for key in sorted(model)[:200]:
         lines.append(f"  {key}  {tuple(tensors[key].size)}  {tensors[key].properties.dtype}")
     return "\n".join(lines)

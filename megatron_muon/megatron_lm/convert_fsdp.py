@@ -222,6 +222,24 @@ def _load_everything(path: str) -> Dict[str, Any]:
     return state
 
 
+def fsdp_common(path: str) -> Dict[str, Any]:
+    """The common state of the fsdp_dtensor checkpoint ``path`` as ``convert.inspect`` reads
+    a torch_dist one's: iteration, and the optimizer's (ours, or Megatron's AdamW marked)."""
+    import torch.distributed.checkpoint as dcp
+
+    _ensure_process_group()
+    reader = dcp.FileSystemReader(path)
+    keys = reader.read_metadata().state_dict_metadata
+    state = {key: None for key in ("iteration", COMMON) if key in keys}
+    dcp.load(state, storage_reader=reader)
+    common = {k: v for k, v in state.items() if k == "iteration"}
+    if isinstance(state.get(COMMON), CommonState):
+        common["optimizer"] = state[COMMON].value
+    elif any(k.startswith(GROUP_META) for k in keys):
+        common["optimizer"] = {"param_state_sharding_type": "fsdp_dtensor"}
+    return common
+
+
 def _join_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Unwrapped names -> tensors, GLU ``_w`` / ``_v`` halves joined into one ``[gate; up]``."""
     out, halves = {}, {}

@@ -371,6 +371,7 @@ def test_megatron_fsdp_to_distributed_optimizer_and_back(fsdp_uninterrupted, cac
         want[6], rel=1e-4
     )
     run(convert + ["to-fsdp-dtensor", str(ddp), str(back)])
+    assert "optimizer: muon\niteration: 3" in run(convert + ["inspect", str(back)])
     on_fsdp = run(TWO_RANKS + full["args"] + ["--load", str(back)], timeout=300)
     assert all(losses(on_fsdp)[i] == want[i] for i in (4, 6)), (losses(on_fsdp), want)
     assert validation(on_fsdp)[6] == validation(full["stdout"])[6]
