@@ -234,16 +234,21 @@ def chain_common_state(chain) -> Dict[str, Any]:
     return common_state(chain.num_steps, optimizers, settings)
 
 
+def require_ours(common: Any) -> None:
+    """Refuse optimizer state whose common part (:func:`common_state`) is not ours."""
+    if not (isinstance(common, dict) and common.get("format") == FORMAT):
+        raise CheckpointError(
+            "This optimizer state was not written by megatron_muon (for a Megatron AdamW checkpoint, "
+            "convert it with tools/convert_checkpoint.py adam-to-muon)."
+        )
+
+
 @torch.no_grad()
 def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
     """Load what ``dist_checkpointing.load`` returned for :func:`optimizer_sharded_state`
     into the chained optimizers (collective over each orthogonalization group when there
     are owner-kept states: the holders send their pieces to the new owners)."""
-    if not (isinstance(state_dict, dict) and state_dict.get("format") == FORMAT):
-        raise CheckpointError(
-            "This optimizer state was not written by megatron_muon (for a Megatron AdamW checkpoint, "
-            "convert it with tools/convert_checkpoint.py adam-to-muon)."
-        )
+    require_ours(state_dict)
     chain.num_steps = int(state_dict["step"])
     commons = state_dict["optimizers"]
     for opt in chain.muon_optimizers:

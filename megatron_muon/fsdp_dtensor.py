@@ -30,11 +30,11 @@ from typing import Any, Dict, Iterator, Tuple
 import torch
 
 from .checkpoint import (
-    FORMAT,
     CheckpointError,
     chain_common_state,
     load_param_state,
     params_in_order,
+    require_ours,
     shard_values,
     state_names,
 )
@@ -127,11 +127,7 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
     orthogonalization group with owner-kept states)."""
     common = state_dict.get("muon", {}).get("common")
     common = common.value if isinstance(common, CommonState) else None
-    if not (isinstance(common, dict) and common.get("format") == FORMAT):
-        raise CheckpointError(
-            "This fsdp_dtensor optimizer state was not written by megatron_muon (for a Megatron AdamW checkpoint, "
-            "convert it with tools/convert_checkpoint.py adam-to-muon)."
-        )
+    require_ours(common)
     chain.num_steps = int(common["step"])
     saved = state_dict["state"]
     for opt in chain.muon_optimizers:
