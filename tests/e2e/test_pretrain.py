@@ -301,127 +301,91 @@ DEFAULT_FORMAT = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable
 FSDP_CHECKPOINTS = DEFAULT_FORMAT + MEGATRON_FSDP.split() + CLIPPING.split() + ["--muon-variance-reduction", "0.95"]
 """DEFAULT_FORMAT on Megatron-FSDP (ZeRO-3, --ckpt-format fsdp_dtensor) with QK-Clip, and
 variance reduction (a state kept per matrix on its owner, scattered to the shards to save)."""
-
-
-@pytest.fixture(scope="module")
-def fsdp_uninterrupted(cache, tmp_path_factory):
-    """6 iterations of tiny_gqa (Muon) on Megatron-FSDP, DP2, saving at 3 and 6."""
-    ckpt = tmp_path_factory.mktemp("fsdp_run") / "ckpt"
-    args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
-    stdout = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
-    return dict(args=args, stdout=stdout, ckpt=ckpt)
+CONVERT = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
 
 
 @pytest.mark.slow
-def test_megatron_fsdp_save_then_resume_same_and_other_sizes(fsdp_uninterrupted, tmp_path):
-    """An fsdp_dtensor checkpoint (DCP, with our manifest) of a Muon run on Megatron-FSDP
-    resumes bit for bit at DP2, and at TP2 and on one rank to reduction-order noise (DCP
-    reshards the DTensors, the GLU halves split for it); a corrupted copy is refused before
-    any read."""
-    full, ckpt = fsdp_uninterrupted, fsdp_uninterrupted["ckpt"]
+@pytest.mark.timeout(600)
+def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer(cache, tmp_path):
+    """A Muon run on Megatron-FSDP (DP2) saves fsdp_dtensor checkpoints (DCP, with our
+    manifest). Iteration 3 resumes bit for bit at DP2, and at TP2 x DP1 to reduction-order
+    noise (DCP reshards the DTensors, the GLU halves split for it); a corrupted copy is refused
+    before any read. Unconverted, a DistributedOptimizer run refuses it in one line naming the
+    command; to-torch-dist resumes there (1e-4: DDP and Megatron-FSDP reduce in different
+    orders) and to-fsdp-dtensor brings it back bit for bit; muon-to-adam resumes Megatron's
+    AdamW on Megatron-FSDP from the same weights (iteration 4's loss is computed before any
+    step)."""
+    ckpt, ddp, back, adam = (tmp_path / name for name in ("ckpt", "ddp", "back", "adam"))
+    args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
+    full = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
     assert (ckpt / "iter_0000003" / ".metadata").is_file() and (ckpt / "iter_0000003" / "integrity.json").is_file()
-    want = losses(full["stdout"])
+    want = losses(full)
     assert sorted(want) == list(range(1, 7)) and want[6] < want[1] - 1.0
-    resume = full["args"] + ["--load", str(ckpt), "--ckpt-step", "3"]
+
+    resume = args + ["--load", str(ckpt), "--ckpt-step", "3"]
     same = run(TWO_RANKS + resume, timeout=300)
     assert sorted(losses(same)) == [4, 5, 6], same[-2000:]
     assert all(losses(same)[i] == want[i] for i in (4, 6)), (losses(same), want)
-    assert validation(same)[6] == validation(full["stdout"])[6]
+    assert validation(same)[6] == validation(full)[6]
     tp2 = run(TWO_RANKS + resume + ["--tensor-model-parallel-size", "2"], timeout=300)
     assert "tensor-model-parallel size: 2" in tp2
     assert losses(tp2)[4] == pytest.approx(want[4], rel=1e-4) and losses(tp2)[6] == pytest.approx(want[6], rel=1e-4)
-    assert validation(tp2)[6] == pytest.approx(validation(full["stdout"])[6], rel=1e-4)
-    dp1 = run(PRETRAIN + resume)
-    assert losses(dp1)[4] == pytest.approx(want[4], rel=1e-4) and losses(dp1)[6] == pytest.approx(want[6], rel=1e-4)
-    broken = tmp_path / "ckpt"
+    assert validation(tp2)[6] == pytest.approx(validation(full)[6], rel=1e-4)
+    broken = tmp_path / "broken"
     shutil.copytree(ckpt / "iter_0000003", broken / "iter_0000003")
     data = broken / "iter_0000003" / "__1_0.distcp"
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
-    proc = launch(TWO_RANKS + full["args"] + ["--load", str(broken), "--ckpt-step", "3"], timeout=300)
+    proc = launch(TWO_RANKS + args + ["--load", str(broken), "--ckpt-step", "3"], timeout=300)
     assert proc.returncode != 0 and "__1_0.distcp" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "iteration        4/" not in proc.stdout
 
-
-@pytest.mark.slow
-def test_megatron_fsdp_to_distributed_optimizer_and_back(fsdp_uninterrupted, cache, tmp_path):
-    """tools/convert_checkpoint.py to-torch-dist, then to-fsdp-dtensor: iteration 3 of the
-    Megatron-FSDP run resumes on the DistributedOptimizer with the same losses (1e-4: DDP
-    and Megatron-FSDP reduce in different orders), and back on Megatron-FSDP bit for bit.
-    Unconverted, the DDP run stops in one line naming the command; converting a checkpoint
-    into the format it has is refused."""
-    full, want = fsdp_uninterrupted, losses(fsdp_uninterrupted["stdout"])
-    convert = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
-    ddp, back = tmp_path / "ddp", tmp_path / "back"
     ddp_args = (
         DEFAULT_FORMAT + CLIPPING.split() + ["--muon-variance-reduction", "0.95", "--data-cache-path", str(cache)]
     )
-    unconverted = launch(PRETRAIN + ddp_args + ["--load", str(full["ckpt"])], timeout=120)
+    unconverted = launch(PRETRAIN + ddp_args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=120)
     said = unconverted.stderr.strip().splitlines()
     assert unconverted.returncode == 2 and len(said) == 1 and "convert_checkpoint.py to-torch-dist" in said[0], said
-    run(convert + ["to-torch-dist", str(full["ckpt"] / "iter_0000003"), str(ddp)])
+    run(CONVERT + ["to-torch-dist", str(ckpt / "iter_0000003"), str(ddp)])
     assert (ddp / "iter_0000003" / "metadata.json").is_file() and (ddp / "iter_0000003" / "integrity.json").is_file()
-    ddp_args = (
-        DEFAULT_FORMAT + CLIPPING.split() + ["--muon-variance-reduction", "0.95", "--data-cache-path", str(cache)]
-    )
-    on_ddp = run(TWO_RANKS + ddp_args + ["--load", str(ddp)], timeout=300)
-    assert sorted(losses(on_ddp)) == [4, 5, 6], on_ddp[-2000:]
-    assert losses(on_ddp)[4] == pytest.approx(want[4], rel=1e-4) and losses(on_ddp)[6] == pytest.approx(
-        want[6], rel=1e-4
-    )
-    run(convert + ["to-fsdp-dtensor", str(ddp), str(back)])
-    assert "optimizer: muon\niteration: 3" in run(convert + ["inspect", str(back)])
-    on_fsdp = run(TWO_RANKS + full["args"] + ["--load", str(back)], timeout=300)
+    on_ddp = losses(run(TWO_RANKS + ddp_args + ["--load", str(ddp)], timeout=300))
+    assert sorted(on_ddp) == [4, 5, 6], on_ddp
+    assert on_ddp[4] == pytest.approx(want[4], rel=1e-4) and on_ddp[6] == pytest.approx(want[6], rel=1e-4)
+    run(CONVERT + ["to-fsdp-dtensor", str(ddp), str(back)])
+    on_fsdp = run(TWO_RANKS + args + ["--load", str(back)], timeout=300)
     assert all(losses(on_fsdp)[i] == want[i] for i in (4, 6)), (losses(on_fsdp), want)
-    assert validation(on_fsdp)[6] == validation(full["stdout"])[6]
-    again = launch(convert + ["to-fsdp-dtensor", str(back), str(tmp_path / "again")])
-    assert again.returncode == 2 and "is an fsdp_dtensor checkpoint already" in again.stderr, again.stderr[-2000:]
-    assert not (tmp_path / "again").exists()
+    assert validation(on_fsdp)[6] == validation(full)[6]
 
-
-@pytest.fixture(scope="module")
-def fsdp_adamw(cache, tmp_path_factory):
-    """Megatron's own AdamW on Megatron-FSDP, DP2, 6 iterations saving at 3 and 6."""
-    ckpt = tmp_path_factory.mktemp("fsdp_adamw") / "ckpt"
-    args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
-    stdout = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
-    return dict(args=args, stdout=stdout, ckpt=ckpt)
+    run(CONVERT + ["muon-to-adam", str(ckpt / "iter_0000003"), str(adam)])
+    adam_args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
+    on_adam = losses(run(TWO_RANKS + adam_args + ["--load", str(adam)], timeout=300))
+    assert on_adam[4] == want[4] and on_adam[6] < on_adam[4], on_adam
 
 
 @pytest.mark.slow
-def test_megatron_fsdp_adamw_checkpoint_resumes_and_muon_refuses_it(fsdp_adamw, cache):
+@pytest.mark.timeout(600)
+def test_megatron_fsdp_adamw_checkpoint_resumes_and_converts_to_muon(cache, tmp_path):
     """Megatron's own AdamW on Megatron-FSDP saves fsdp_dtensor checkpoints (megatron-core
     0.19.2's preprocessing fails on an fp32 SwiGLU model and hangs when a rank's shard of a
-    parameter is empty: ours replaces it) and resumes bit for bit; a Muon run refuses to load
-    one in one line (its momentum is missing) instead of failing deep in DCP."""
-    full, ckpt = fsdp_adamw, fsdp_adamw["ckpt"]
-    resumed = run(TWO_RANKS + full["args"] + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300)
-    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 6)), (losses(resumed), full["stdout"])
-    load = ["--data-cache-path", str(cache), "--load", str(ckpt), "--ckpt-step", "3"]
-    proc = launch(TWO_RANKS + FSDP_CHECKPOINTS + load, timeout=300)
+    parameter is empty: ours replaces it) and resumes bit for bit. A Muon run refuses to load
+    one in one line (its momentum is missing) instead of failing deep in DCP; adam-to-muon
+    converts it, and the Muon run resumes from the same weights (starting variance
+    reduction's second moment at zero: the AdamW checkpoint has none)."""
+    ckpt, muon = tmp_path / "ckpt", tmp_path / "muon"
+    args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
+    full = losses(run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300))
+    resumed = losses(run(TWO_RANKS + args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300))
+    assert all(resumed[i] == full[i] for i in (4, 6)), (resumed, full)
+    muon_args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
+    proc = launch(TWO_RANKS + muon_args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300)
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "tensor(s) this run loads" in said and "--no-load-optim" in said, said[-3000:]
     assert "iteration        4/" not in proc.stdout
-
-
-@pytest.mark.slow
-def test_megatron_fsdp_adam_to_muon_and_back(fsdp_adamw, fsdp_uninterrupted, tmp_path):
-    """adam-to-muon and muon-to-adam on fsdp_dtensor checkpoints: each converted iteration 3
-    resumes on Megatron-FSDP with the other optimizer from the same weights (iteration 4's
-    loss, computed before any step, equals the source run's) and trains. The Muon run also
-    starts variance reduction's second moment at zero (the AdamW checkpoint has none)."""
-    convert = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
-    muon, adam = tmp_path / "muon", tmp_path / "adam"
-    stats = run(
-        convert + ["adam-to-muon", str(fsdp_adamw["ckpt"] / "iter_0000003"), str(muon), "--momentum", "exp_avg"]
-    )
+    stats = run(CONVERT + ["adam-to-muon", str(ckpt / "iter_0000003"), str(muon), "--momentum", "exp_avg"])
     assert "'step': 3" in stats, stats
-    on_muon = losses(run(TWO_RANKS + fsdp_uninterrupted["args"] + ["--load", str(muon)], timeout=300))
-    assert on_muon[4] == losses(fsdp_adamw["stdout"])[4] and on_muon[6] < on_muon[4], on_muon
-    run(convert + ["muon-to-adam", str(fsdp_uninterrupted["ckpt"] / "iter_0000003"), str(adam)])
-    on_adam = losses(run(TWO_RANKS + fsdp_adamw["args"] + ["--load", str(adam)], timeout=300))
-    assert on_adam[4] == losses(fsdp_uninterrupted["stdout"])[4] and on_adam[6] < on_adam[4], on_adam
+    on_muon = losses(run(TWO_RANKS + muon_args + ["--load", str(muon)], timeout=300))
+    assert on_muon[4] == full[4] and on_muon[6] < on_muon[4], on_muon
 
 
 @pytest.fixture(scope="module")
