@@ -53,6 +53,13 @@ def _ones(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(n, dtype=like.dtype, device=like.device)
 
 
+def head_gammas(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Each head's clip factor ``min(1, tau / S_max)``, 1 where ``S_max <= tau``: a head whose
+    largest logit is negative (every score below zero) is not clipped (``tau / S_max`` would
+    be negative there, and its square root NaN)."""
+    return threshold / max_logits.clamp(min=threshold)
+
+
 def row_factors(layer: ClipLayer, gamma: torch.Tensor, tconfig) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
     """Per-row scale factors of each weight of ``layer`` for per-head ``gamma``; the rows of
     each part come from the logical-matrix definitions (``matrices.qkv_parts`` /
@@ -218,7 +225,7 @@ class QKClip:
             for layer in self.layers:
                 s = maxima[offset : offset + layer.heads]
                 offset += layer.heads
-                gamma = torch.clamp(self.tconfig.qk_clip_threshold / s, max=1.0)
+                gamma = head_gammas(s, self.tconfig.qk_clip_threshold)
                 clipped = int((gamma < 1.0).sum())
                 if not clipped:
                     continue

@@ -13,14 +13,82 @@ Shared helpers live in ``tests/helpers`` (test modules never import each other).
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from pathlib import Path
+from typing import Dict, Optional
 
 import pytest
 
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
+GROUPS = "MEGATRON_MUON_TEST_GROUPS"
+"""Environment variable: the file where an xdist worker writes which tests share fixtures."""
+PATH_FIXTURES = frozenset({"cache", "out"})
+"""Module-scoped fixtures that only name a directory: cheap, and shared by whole modules."""
+
+
+def shared_fixture_groups(items) -> Dict[str, str]:
+    """nodeid -> group, for tests that share a module-scoped fixture (a training run, a
+    reference), transitively: one group per connected set within a module."""
+    parent: Dict[tuple, tuple] = {}
+
+    def find(x: tuple) -> tuple:
+        while parent.setdefault(x, x) != x:
+            x = parent[x]
+        return x
+
+    first = {}
+    for item in items:
+        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
+        names = sorted(n for n, d in defs.items() if d and d[-1].scope == "module" and n not in PATH_FIXTURES)
+        keys = [(item.module.__name__, n) for n in names] if names and hasattr(item, "module") else []
+        for key in keys[1:]:
+            parent[find(key)] = find(keys[0])
+        if keys:
+            first[item.nodeid] = keys[0]
+    return {nodeid: "::".join(find(key)) for nodeid, key in first.items()}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
+        fd, path = tempfile.mkstemp(prefix="megatron-muon-test-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS] = path  # the workers start after this and inherit it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput") and os.environ.get(GROUPS):
+        Path(os.environ.pop(GROUPS)).unlink(missing_ok=True)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
     for item in items:
         if E2E in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slow)
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and workerinput.get("workerid") == "gw0" and os.environ.get(GROUPS):
+        path = Path(os.environ[GROUPS])
+        path.with_suffix(".tmp").write_text(json.dumps(shared_fixture_groups(items)))
+        path.with_suffix(".tmp").replace(path)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Tests that share a module-scoped fixture go to one worker, so the fixture (a training
+    run, a reference) runs once, not once per worker that runs one of them. (xdist's own
+    ``--dist loadgroup`` does not group under pytest 9: it renames ``item._nodeid``, which
+    pytest 9's ``nodeid`` no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        groups: Optional[Dict[str, str]] = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # written by gw0 during its collection, before it reported it
+                text = Path(os.environ[GROUPS]).read_text() if os.environ.get(GROUPS) else ""
+                self.groups = json.loads(text) if text else {}
+            return self.groups.get(nodeid, nodeid)
+
+    return SharedFixtureScheduling(config, log)

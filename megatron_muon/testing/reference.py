@@ -260,7 +260,7 @@ def adamw_update(p, g, state, lr: float, wd: float, config: MuonConfig) -> None:
 
 def muon_clip_(modules: Sequence[torch.nn.Module], tconfig: Any) -> None:
     """MuonClip (Kimi K2, Algorithm 1) on full weights, one head at a time, then reset the
-    recorders. ``gamma_h = min(1, tau / S_h)``. MHA/GQA: K rows of group g scaled by
+    recorders. ``gamma_h = tau / S_h`` where ``S_h > tau``, else 1. MHA/GQA: K rows of group g scaled by
     ``min_{h in g} gamma_h ** (1 - alpha)``, Q rows of head h by ``gamma_h`` divided by that,
     so every head's logits scale by exactly ``gamma_h``. MLA: q nope and k nope rows of
     head h by ``sqrt(gamma_h)``, q rope rows by ``gamma_h``; v and the shared k rope untouched."""
@@ -273,7 +273,7 @@ def muon_clip_(modules: Sequence[torch.nn.Module], tconfig: Any) -> None:
         core.current_max_attn_logits = None
         if not tconfig.qk_clip or s_max is None:
             continue
-        gamma = [min(1.0, tau / float(s)) for s in s_max]
+        gamma = [tau / float(s) if float(s) > tau else 1.0 for s in s_max]  # clipped only above tau
         heads = len(gamma)
         if hasattr(attn, "linear_qkv"):
             w = attn.linear_qkv.weight.data
