@@ -39,6 +39,7 @@ from .checkpoint import (
     state_names,
 )
 from .optimizer import init_state
+from .state import ADAM_STATES
 
 GLU_HALVES = ("_w", "_v")
 """Suffixes of the gate and up halves of a GLU ``linear_fc1`` (Megatron-LM's)."""
@@ -80,11 +81,17 @@ def _muon_params(opt) -> Iterator[Tuple[str, Any]]:
         yield param_name(opt, mp.param), mp.param
 
 
-def _adam_params(opt) -> Iterator[Tuple[str, Any]]:
+def _adam_params(opt) -> Iterator[Tuple[str, Any, dict]]:
+    """(checkpoint name, DTensor parameter, its group) of every AdamW parameter of ``opt``."""
     for group in opt.optimizer.param_groups:
         if not group.get("muon", False):
             for param in group["params"]:
-                yield param_name(opt, param), param
+                yield param_name(opt, param), param, group
+
+
+def _settings(group: dict) -> Dict[str, Any]:
+    """A parameter group's settings, as Megatron's ``param_to_group_meta`` records them."""
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 @torch.no_grad()
@@ -98,23 +105,17 @@ def optimizer_state(chain, is_loading: bool) -> Dict[str, Any]:
         values = {} if is_loading else shard_values(opt)  # collective with owner-kept states
         for name, param in _muon_params(opt):
             if not is_loading:  # Megatron's group settings, for a conversion to its AdamW (muon-to-adam)
-                groups[name] = {k: v for k, v in opt.muon_group_of[id(param)].items() if k != "params"}
+                groups[name] = _settings(opt.muon_group_of[id(param)])
             mine = values.get(id(param), {})
             entry = state[name] = {}
             for key in state_names(opt, param)[1:]:  # the master is the model's weight
                 flat = mine.get(key)
                 flat = torch.zeros(param.to_local().numel()) if flat is None else flat.float()
                 entry[key] = _like(flat.to(param.device), param)
-        for group in opt.optimizer.param_groups:
-            if group.get("muon", False):
-                continue
-            meta = {k: v for k, v in group.items() if k != "params"}
-            for param in group["params"]:
-                name = param_name(opt, param)
-                torch_state = opt.optimizer.state[param]
-                state[name] = {key: torch_state[key] for key in ("exp_avg", "exp_avg_sq")}
-                if not is_loading:  # Megatron's format has it; on loading, the schedule sets ours
-                    groups[name] = meta
+        for name, param, group in _adam_params(opt):
+            state[name] = {key: opt.optimizer.state[param][key] for key in ADAM_STATES}
+            if not is_loading:  # Megatron's format has it; on loading, the schedule sets ours
+                groups[name] = _settings(group)
     # Loading: a placeholder that only the checkpoint's own object replaces (DCP leaves a key
     # the checkpoint lacks as it is), so a checkpoint without it is refused, not read as ours.
     common = CommonState({} if is_loading else chain_common_state(chain))
@@ -137,10 +138,10 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
         }
         load_param_state(opt, local, chain.num_steps, local=True)
         init_state(opt.optimizer)
-        for name, param in _adam_params(opt):
+        for name, param, _ in _adam_params(opt):
             torch_state = opt.optimizer.state[param]
             for key, value in saved.get(name, {}).items():
-                if key in ("exp_avg", "exp_avg_sq"):
+                if key in ADAM_STATES:
                     torch_state[key].to_local().copy_(value.to_local())
             torch_state["step"] = torch.tensor(float(chain.num_steps))
         opt.load_common_state(common["optimizers"].get(opt.name) or common["optimizers"]["dense"])
@@ -240,7 +241,7 @@ def _with_empty_shard_states(optimizer: Dict[str, Any], model: torch.nn.Module, 
     state = dict(optimizer["state"])
     for name in missing:
         param = params[strip_wrappers(expert_param_local_key(strip_wrappers(name), num_experts))]
-        state[name] = {key: torch.zeros_like(param) for key in ("exp_avg", "exp_avg_sq")}
+        state[name] = {key: torch.zeros_like(param) for key in ADAM_STATES}
     return dict(optimizer, state=state)
 
 

@@ -45,6 +45,7 @@ from megatron_muon.integrity import (
     write_atomically,
     write_manifest,
 )
+from megatron_muon.state import ADAM_STATES, MOMENTUM
 
 logger = logging.getLogger(__name__)
 
@@ -420,7 +421,7 @@ def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) ->
     return get_checkpoint_format
 
 
-REQUIRED_STATES = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+REQUIRED_STATES = (MOMENTUM,) + ADAM_STATES
 """Optimizer states an fsdp_dtensor checkpoint must hold for every parameter it holds; a
 Muon state switched on since (``second_moment`` of variance reduction) starts at zero."""
 
