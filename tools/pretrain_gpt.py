@@ -30,24 +30,7 @@ if not cpu.use_cuda():
 
 from megatron_muon.megatron_lm import corpus  # noqa: E402
 from megatron_muon.megatron_lm.launch import checkpoint_errors_as_one_line, prepare  # noqa: E402
-
-# ---------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------
-
-
-def gpt_model_config(args: argparse.Namespace):
-    """Megatron-LM's ``GPTModelConfig`` from the arguments, with our layer spec
-    (:func:`megatron_muon.megatron_lm.layer_spec.megatron_lm_layer_spec`) unless ``--spec`` names one."""
-    from megatron.training.argument_utils import gpt_config_from_args
-
-    from megatron_muon.megatron_lm.layer_spec import megatron_lm_layer_spec
-
-    config = gpt_config_from_args(args)
-    if args.spec is None:
-        config.transformer_layer_spec = megatron_lm_layer_spec
-    return config
-
+from megatron_muon.megatron_lm.layer_spec import gpt_model_config  # noqa: E402
 
 # ---------------------------------------------------------------------------------------
 # Forward step (Megatron-LM's pretrain_gpt.py recipe)

@@ -105,7 +105,7 @@ def _read_metadata(path: str):
     try:
         return FileSystemReader(path).read_metadata()
     except _READ_ERRORS as e:
-        raise CheckpointError(f"{path} is not a torch_dist checkpoint ({e})") from e
+        raise CheckpointError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint ({e})") from e
 
 
 def check_source(path: str, unverified: bool = False) -> bool:
@@ -334,14 +334,13 @@ def adam_to_muon(
     Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
     ``exp_avg`` with ``momentum='exp_avg'``) instead of their AdamW moments; the scalar
     parameters keep their AdamW state."""
-    from .convert_fsdp import is_fsdp_dtensor, read_fsdp_dtensor, write_fsdp_dtensor
+    from .convert_fsdp import fsdp_common, is_fsdp_dtensor, read_fsdp_dtensor, write_fsdp_dtensor
 
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
     fsdp = is_fsdp_dtensor(source)
-    ckpt = read_fsdp_dtensor(source, adam=True) if fsdp else None
-    common = ckpt.common if fsdp else read_common(source)
+    common = fsdp_common(source) if fsdp else read_common(source)
     iteration = checkpoint_iteration(Checkpoint(common=common))
     check_destination(dst, iteration, overwrite)
     opt_common = common.get("optimizer", {})
@@ -349,8 +348,8 @@ def adam_to_muon(
         raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
     if "param_state_sharding_type" not in opt_common:
         raise CheckpointError(f"{source} holds no Megatron distributed-optimizer state (saved with --no-save-optim?)")
-    if fsdp:
-        pass  # read whole above (Megatron-FSDP's format is parameter by parameter)
+    if fsdp:  # Megatron-FSDP's format is parameter by parameter already
+        ckpt = read_fsdp_dtensor(source, adam=True)
     elif opt_common["param_state_sharding_type"] == "fully_reshardable":
         ckpt = read_checkpoint(source)
     else:  # Megatron-LM's default (DDP buckets): Megatron-LM re-saves it parameter by parameter
@@ -419,18 +418,15 @@ def muon_to_adam(
     ``exp_avg='momentum'`` (Muon's momentum is a plain sum, AdamW's an average);
     ``exp_avg_sq`` is zero (printed as a warning: AdamW's first steps then take
     sign-like updates of size lr)."""
-    from .convert_fsdp import is_fsdp_dtensor, read_fsdp_dtensor, write_fsdp_dtensor
+    from .convert_fsdp import fsdp_common, is_fsdp_dtensor, read_fsdp_dtensor, write_fsdp_dtensor
 
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
     fsdp = is_fsdp_dtensor(source)
-    if fsdp:
-        ckpt = read_fsdp_dtensor(source)
-        check_destination(dst, checkpoint_iteration(ckpt), overwrite)
-    else:
-        check_destination(dst, checkpoint_iteration(Checkpoint(common=read_common(source))), overwrite)
-        ckpt = read_checkpoint(source)
+    common = fsdp_common(source) if fsdp else read_common(source)
+    check_destination(dst, checkpoint_iteration(Checkpoint(common=common)), overwrite)
+    ckpt = read_fsdp_dtensor(source) if fsdp else read_checkpoint(source)
     opt_common = ckpt.common.get("optimizer", {})
     if opt_common.get("format") != FORMAT:
         raise CheckpointError(

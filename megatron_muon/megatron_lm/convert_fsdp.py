@@ -34,6 +34,7 @@ from megatron_muon.integrity import write_manifest
 from .convert import (
     Checkpoint,
     _ensure_process_group,
+    _read_metadata,
     check_paths,
     check_source,
     checkpoint_iteration,
@@ -44,6 +45,7 @@ from .convert import (
 )
 
 COMMON = "optimizer.muon.common"
+GROUP_META = "optimizer.param_to_group_meta."
 OPTIMIZER_STATE = "optimizer.state."
 CONTENT_METADATA = {  # how Megatron-LM labels a torch_dist save of ours (fully reshardable)
     "distrib_optim_sharding_type": "fully_reshardable",
@@ -83,15 +85,14 @@ def _piece(t) -> Piece:
 
 def model_layout(saved_args) -> Layout:
     """The layout of the model ``saved_args`` (Megatron-LM's arguments of the run) describes,
-    built on the meta device at TP1/PP1/EP1 with ``tools/pretrain_gpt.py``'s config."""
+    built on the meta device at TP1/PP1/EP1 as ``tools/pretrain_gpt.py`` builds it."""
     from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.process_groups_config import ProcessGroupCollection
-    from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from .layer_spec import megatron_lm_layer_spec
+    from .layer_spec import gpt_model_config
 
     if saved_args is None:
         raise CheckpointError("the checkpoint holds no Megatron-LM arguments: its model cannot be rebuilt")
@@ -103,9 +104,7 @@ def model_layout(saved_args) -> Layout:
                  "expert_tensor_parallel_size", "context_parallel_size"):  # fmt: skip
         setattr(args, name, 1)
     args.sequence_parallel, args.use_cpu_initialization = False, True
-    config = gpt_config_from_args(args)
-    if args.spec is None:
-        config.transformer_layer_spec = megatron_lm_layer_spec
+    config = gpt_model_config(args)
     config.transformer.perform_initialization = False
     with torch.device("meta"):
         model = GPTModelBuilder(config).build_model(
@@ -203,39 +202,33 @@ def is_fsdp_dtensor(path: str) -> bool:
     return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(os.path.join(path, "metadata.json"))
 
 
-def _load_everything(path: str) -> Dict[str, Any]:
-    """Every tensor (whole) and object of the DCP checkpoint ``path``, by DCP key."""
+def _load(path: str, wanted=lambda key: True) -> Dict[str, Any]:
+    """The tensors (whole) and objects of the DCP checkpoint ``path`` whose keys are
+    ``wanted``, by DCP key."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    _ensure_process_group()
-    reader = dcp.FileSystemReader(path)
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for key, md in _read_metadata(path).state_dict_metadata.items()
+        if wanted(key)
+    }
     try:
-        metadata = reader.read_metadata().state_dict_metadata
-        state = {
-            key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-            for key, md in metadata.items()
-        }
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
     except _READ_ERRORS as e:
         raise CheckpointError(f"{path} could not be read as an fsdp_dtensor checkpoint: {e}") from e
     return state
 
 
 def fsdp_common(path: str) -> Dict[str, Any]:
-    """The common state of the fsdp_dtensor checkpoint ``path`` as ``convert.inspect`` reads
-    a torch_dist one's: iteration, and the optimizer's (ours, or Megatron's AdamW marked)."""
-    import torch.distributed.checkpoint as dcp
-
-    _ensure_process_group()
-    reader = dcp.FileSystemReader(path)
-    keys = reader.read_metadata().state_dict_metadata
-    state = {key: None for key in ("iteration", COMMON) if key in keys}
-    dcp.load(state, storage_reader=reader)
+    """The common state of the fsdp_dtensor checkpoint ``path`` as ``convert`` reads a
+    torch_dist one's (``read_common``): iteration, and the optimizer's (ours, or Megatron's
+    AdamW marked as such), without reading a tensor."""
+    state = _load(path, lambda key: key in ("iteration", COMMON) or key.startswith(GROUP_META))
     common = {k: v for k, v in state.items() if k == "iteration"}
     if isinstance(state.get(COMMON), CommonState):
         common["optimizer"] = state[COMMON].value
-    elif any(k.startswith(GROUP_META) for k in keys):
+    elif any(k.startswith(GROUP_META) for k in state):
         common["optimizer"] = {"param_state_sharding_type": "fsdp_dtensor"}
     return common
 
@@ -253,9 +246,6 @@ def _join_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     for name, pair in halves.items():
         out[name] = torch.cat([pair[s] for s in GLU_HALVES])
     return out
-
-
-GROUP_META = "optimizer.param_to_group_meta."
 
 
 def _group_metas(flat: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
@@ -286,7 +276,7 @@ def _adam_common(flat: Dict[str, Any]) -> Dict[str, Any]:
 def read_fsdp_dtensor(path: str, adam: bool = False) -> Checkpoint:
     """The fsdp_dtensor checkpoint at ``path`` in the converter's torch_dist form (verify it
     first: ``convert.check_source``): a Muon run's, or with ``adam`` Megatron's AdamW's."""
-    flat = _load_everything(path)
+    flat = _load(path)
     common = flat.get(COMMON)
     if isinstance(common, CommonState) and common.value.get("format") == FORMAT:
         optimizer = common.value

@@ -39,3 +39,15 @@ def megatron_lm_layer_spec(config, vp_stage: Optional[int] = None):
         for layer in layers:
             use_sequence_parallel_norms(layer)
     return spec
+
+
+def gpt_model_config(args):
+    """Megatron-LM's ``GPTModelConfig`` from its arguments, with :func:`megatron_lm_layer_spec`
+    unless ``--spec`` names one: the model ``tools/pretrain_gpt.py`` trains (and the
+    checkpoint converter rebuilds)."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    config = gpt_config_from_args(args)
+    if args.spec is None:
+        config.transformer_layer_spec = megatron_lm_layer_spec
+    return config
