@@ -29,6 +29,15 @@ def test_python_block_compiles(block):
     compile(block.text, block.id, "exec")
 
 
+@pytest.mark.parametrize("block", [b for b in SHELL if "torchrun" in b.text], ids=lambda b: b.id)
+def test_runnable_torchrun_lines_pick_a_free_port(block):
+    """A block the suite runs must not take torchrun's default port 29500: two such blocks on
+    the two pytest workers at once failed with EADDRINUSE (a fresh-clone CI run)."""
+    for line in block.text.splitlines():
+        if line.lstrip().startswith("torchrun"):
+            assert any(f in line for f in ("--standalone", "--rdzv-endpoint", "--master-port")), f"{block.id}: {line}"
+
+
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
 
 
