@@ -43,7 +43,7 @@ from .planner import Plan, plan_for_config, plan_statistics, rank_messages
 from .process_groups import build_ortho_group, subgroup
 from .qk_clip import QKClip
 from .shard_map import ShardMap
-from .state import OffloadedMasters, OwnerStates, ShardStates, muon_states
+from .state import OffloadedMasters, OwnerStates, ShardStates, init_adam_states, muon_states
 
 logger = logging.getLogger(__name__)
 
@@ -95,14 +95,8 @@ def megatron_timer(config, name: str) -> Iterator[None]:
 
 
 def init_state(opt: MuonAdamW, config=None) -> None:
-    """Allocate AdamW's state (Megatron calls this to load into a fresh optimizer)."""
-    for group in opt.param_groups:
-        for p in group["params"]:
-            state = opt.state[p]
-            if len(state) == 0 and not group.get("muon", False):
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
+    """Megatron's ``init_state_fn``: AdamW's state allocated (``state.init_adam_states``)."""
+    init_adam_states(opt)
 
 
 class MuonDistributedOptimizer(DistributedOptimizer):
@@ -552,7 +546,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """Megatron dist-checkpointing state: every state tensor in model coordinates (see
         ``megatron_muon.checkpoint``), reshardable across TP/PP/EP/DP and expert layouts."""
-        from .checkpoint import optimizer_sharded_state
+        from .checkpoint.optimizer_state import optimizer_sharded_state
 
         if self.dense.megatron_fsdp:
             sharding = (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type")
@@ -562,7 +556,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
                     f"(metadata distrib_optim_sharding_type='fsdp_dtensor', got {sharding!r}; Megatron-LM: "
                     "--ckpt-format fsdp_dtensor)."
                 )
-            from .fsdp_dtensor import optimizer_state
+            from .checkpoint.fsdp_dtensor import optimizer_state
 
             return optimizer_state(self, is_loading)
         return optimizer_sharded_state(self, model_sharded_state_dict, is_loading)
@@ -575,10 +569,10 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     def load_state_dict(self, state_dict):
         """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
-        from .checkpoint import load_optimizer_state
+        from .checkpoint.optimizer_state import load_optimizer_state
 
         if self.dense.megatron_fsdp:
-            from . import fsdp_dtensor
+            from .checkpoint import fsdp_dtensor
 
             fsdp_dtensor.load_optimizer_state(self, state_dict)
         else:

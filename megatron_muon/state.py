@@ -55,6 +55,10 @@ class MatrixState:
     shape: Optional[Callable[[int, int], Tuple[int, int]]] = None
     """'owner' states: the tensor's shape for an ``(out, in)`` logical matrix,
     broadcastable to it."""
+    required: bool = False
+    """Whether a checkpoint this run loads must hold it; one that need not (switched on
+    since the checkpoint was saved, or absent from a converted AdamW checkpoint) starts at
+    zero, as in a fresh run."""
 
 
 def factored_shape(out_features: int, in_features: int) -> Tuple[int, int]:
@@ -64,17 +68,44 @@ def factored_shape(out_features: int, in_features: int) -> Tuple[int, int]:
 
 MOMENTUM = "momentum_buffer"
 SECOND_MOMENT = "second_moment"
+MASTER = "param"
+"""The checkpoint name of a parameter's fp32 master weight (Megatron's)."""
 
 MUON_STATES: Tuple[MatrixState, ...] = (
-    MatrixState(MOMENTUM, "shard", lambda config: True),
+    MatrixState(MOMENTUM, "shard", lambda config: True, required=True),
     MatrixState(SECOND_MOMENT, "owner", lambda config: config.muon_variance_reduction is not None, factored_shape),
 )
 ADAM_STATES: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+"""AdamW's states of every other parameter (Megatron's torch AdamW's); a checkpoint must hold both."""
 
 
 def muon_states(config, kept: Optional[str] = None) -> List[MatrixState]:
     """The registry's states ``config`` uses (only those ``kept`` so, if given)."""
     return [s for s in MUON_STATES if s.enabled(config) and (kept is None or s.kept == kept)]
+
+
+def checkpoint_states(config, muon: bool) -> Tuple[str, ...]:
+    """The states a checkpoint holds for a parameter: its fp32 master, then the registry's
+    enabled states (a Muon matrix) or AdamW's."""
+    return (MASTER,) + (tuple(s.name for s in muon_states(config)) if muon else ADAM_STATES)
+
+
+def required_in_checkpoint(name: str) -> bool:
+    """Whether a checkpoint must hold state ``name`` wherever this run uses it: the fp32
+    master, AdamW's states, the registry's ``required`` ones (others start at zero)."""
+    return name in (MASTER,) + ADAM_STATES + tuple(s.name for s in MUON_STATES if s.required)
+
+
+def init_adam_states(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate AdamW's state of every non-Muon parameter that has none yet (Megatron calls
+    this to load into a fresh optimizer; a checkpoint load needs every rank to hold them)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if len(state) == 0 and not group.get("muon", False):
+                state["step"] = torch.tensor(0.0)
+                for name in ADAM_STATES:
+                    state[name] = torch.zeros_like(p)
 
 
 # ---------------------------------------------------------------------------------------

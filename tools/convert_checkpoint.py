@@ -9,6 +9,8 @@ python tools/convert_checkpoint.py inspect CKPT
 """
 
 from megatron_muon.megatron_lm.convert import main
+from megatron_muon.megatron_lm.process_lifetime import tie_children_to_this_process
 
 if __name__ == "__main__":
+    tie_children_to_this_process()  # Megatron-core's checkpoint writers and the re-save's torchrun end with it
     main()

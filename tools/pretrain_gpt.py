@@ -14,14 +14,18 @@ the arguments with our layer spec (:func:`megatron_muon.megatron_lm.layer_spec.m
     torchrun --nproc-per-node 2 tools/pretrain_gpt.py --recipe tiny_gqa --tensor-model-parallel-size 2
 """
 
-import argparse
-import sys
-from functools import partial
-from typing import List, Optional, Sequence
+import os
 
-import torch
+LAUNCHER_PID = os.getppid()  # first: the process that started this one (a rank ties itself to it)
 
-from megatron_muon.megatron_lm import cpu
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from functools import partial  # noqa: E402
+from typing import List, Optional, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+
+from megatron_muon.megatron_lm import cpu  # noqa: E402
 
 if not cpu.use_cuda():
     # Before Megatron-core is imported: its import-time notices that transformer-engine /
@@ -182,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    args = prepare(argv)
+    args = prepare(argv, launcher_pid=LAUNCHER_PID)
     config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
     with checkpoint_errors_as_one_line():
         pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)

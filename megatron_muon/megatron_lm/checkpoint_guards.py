@@ -1,56 +1,58 @@
 """Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint``, with nothing lost on the way.
 
 Saving an iteration (``dist_checkpointing.save`` as Megatron-LM's checkpointing module sees
-it, :class:`GuardedDistCheckpointing`):
+it, :class:`GuardedDistCheckpointing`, and DCP's save for fsdp_dtensor) goes through
+``checkpoint.publish``: staged in ``iter_N.tmp``, manifest last, verified when it replaces a
+copy, this job's lock on ``--save`` confirmed, swapped into place. Megatron-LM then writes
+its tracker through :class:`AtomicTrackerWrites` (temporary file, fsync, rename), so a kill
+never leaves it empty. A save of the iteration this job last saved or loaded, with no step
+since (the rerun state machine's save when it stops on a NaN), keeps the existing checkpoint
+as it is. A failed save (a full disk) is one line that says so.
 
-1. every rank writes into ``iter_N.tmp`` next to the target, never into ``iter_N``;
-2. once all have written, the manifest (``megatron_muon.integrity``) is written last;
-3. rank 0 swaps the directory into place (``megatron_muon.checkpoint.swap_into_place``): an
-   existing ``iter_N`` is replaced in one atomic exchange, after the new copy verified;
-4. Megatron-LM then writes its tracker, through :class:`AtomicTrackerWrites` (temporary
-   file, fsync, rename), so a kill never leaves it empty.
-
-A save of the iteration this job last saved or loaded, with no step since (the rerun state
-machine's save when it stops on a NaN), keeps the existing checkpoint as it is.
-
-Loading (``load_checkpoint``, :func:`_wrap_load_checkpoint`): rank 0 first undoes what an
-interrupted swap left and, when the tracker is empty, unreadable or missing beside saved
-iterations, picks the newest iteration whose manifest verifies and says so; every rank
-loads that one. Each directory is verified before its first read (one saved with a manifest
-that is gone is refused), and a checkpoint whose padded vocabulary differs from this run's
-is refused, naming ``--make-vocab-size-divisible-by``. docs/design.md ("Inside
+Loading (``load_checkpoint``, :func:`_wrap_load_checkpoint`): in a directory this job owns
+(``--load`` is ``--save``) rank 0 first undoes what interrupted saves left; when the tracker
+is empty, unreadable, missing beside saved iterations or names a missing iteration, it picks
+the newest iteration whose manifest verifies and says so; every rank loads that one. Each
+directory is verified before its first read, and every read unpickles through the
+restricted unpickler (``checkpoint.unpickling``, installed for the whole job); one that lost
+our manifest or record is refused; the optimizer state must hold what the run loads
+(``optimizer_state.states_to_load``); a checkpoint whose padded vocabulary differs from this
+run's is refused, naming ``--make-vocab-size-divisible-by``. docs/design.md ("Inside
 Megatron-LM") says where each hooks in; :func:`checkpoint_patches` returns them in the form
 ``use_megatron_muon`` installs.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import re
-import shutil
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from megatron_muon.checkpoint import CheckpointError, recover_interrupted_swap, swap_into_place
-from megatron_muon.integrity import (
+from megatron_muon.checkpoint import save_lock
+from megatron_muon.checkpoint.errors import CheckpointError, checkpoint_error_in
+from megatron_muon.checkpoint.integrity import (
     MANIFEST,
-    CheckpointIntegrityError,
     has_manifest,
     missing_manifest_error,
     saved_with_manifest,
     source_verified,
     verify_manifest,
     write_atomically,
-    write_manifest,
 )
-from megatron_muon.state import ADAM_STATES, MOMENTUM
+from megatron_muon.checkpoint.optimizer_state import optimizer_kind, states_to_load
+from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
+from megatron_muon.checkpoint.unpickling import unpickling_patches
 
-logger = logging.getLogger(__name__)
-
-TRACKER = "latest_checkpointed_iteration.txt"
-_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+from .checkpoint_dirs import (
+    COMMON_ITEMS,
+    TRACKER,
+    checkpoint_format,
+    read_tracker,
+    remove_leftovers,
+    resume_iteration,
+    written_by_megatron_muon,
+)
 
 
 def _rank0() -> bool:
@@ -63,7 +65,7 @@ def _say(line: str) -> None:
 
 
 def _same(a: Optional[str], b: Optional[str]) -> bool:
-    return a is not None and b is not None and os.path.abspath(a) == os.path.abspath(b)
+    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 class CheckpointGuards:
@@ -111,62 +113,72 @@ class GuardedDistCheckpointing:
 
 
 def guarded_save(guards: CheckpointGuards, checkpoint_dir: str, write: Callable[[str], Any]) -> Any:
-    """``write(staging)`` into ``<checkpoint_dir>.tmp``, then (collectively) the manifest and
-    the swap into place; for an async save (``write`` returned a request) these run as its
-    first finalize step, before Megatron-LM's own that moves the tracker."""
+    """``write(staging)`` through ``checkpoint.publish`` (staged, manifest, verified when
+    replacing, this job's lock on the save directory confirmed, swapped into place); for an
+    async save the rest runs as its first finalize step, before Megatron-LM's own that moves
+    the tracker. A save of the directory this job last saved or loaded, with no step since,
+    keeps it as it is."""
     target = str(checkpoint_dir).rstrip("/")
-    if _same(target, guards.current) and _agreed(has_manifest(target)):
+    if _same(target, guards.current) and agreed(has_manifest(target)):
         _say(f"{target} already holds this iteration (saved or loaded by this job, no step since): kept as it is")
         return None
-    staging = target + ".tmp"
-    if _rank0():
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
-        os.makedirs(staging)
-    dist.barrier()
-    request = write(staging)
+    directory = os.path.dirname(target)
 
-    def finish() -> None:
-        replacing = _agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
-        write_manifest(staging)  # collective; ends with a barrier
-        if replacing:
-            verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
-        if _rank0():
-            swap_into_place(staging, target)
-        dist.barrier()
+    def lock_directory() -> None:  # taken at start-up by tools/pretrain_gpt.py; else here, once
+        if save_lock.held(directory) is None:
+            save_lock.take(directory, "Megatron-LM's save_checkpoint")
+
+    on_rank0(lock_directory, "locking the save directory", directory)
+    request = publish(target, write, lock=save_lock.held(directory) if _rank0() else None)
+
+    def saved() -> None:
         guards.current = target
 
     if hasattr(request, "add_finalize_fn"):
-        request.add_finalize_fn(finish)
+        request.add_finalize_fn(saved)
     else:
-        finish()
+        saved()
     return request
 
 
 def _wrap_save_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
-    """Megatron-LM's ``save_checkpoint``; with ``--ckpt-format fsdp_dtensor`` its
-    ``torch.distributed.checkpoint.save`` (the one call that writes the directory) goes
-    through :func:`guarded_save` while it runs."""
+    """Megatron-LM's ``save_checkpoint``: a failure is one :class:`CheckpointError` line (a
+    full disk named as such; the last complete checkpoint stays); with ``--ckpt-format
+    fsdp_dtensor`` its ``torch.distributed.checkpoint.save`` (the one call that writes the
+    directory) goes through :func:`guarded_save` while it runs."""
 
     def save_checkpoint(*args, **kwargs):
         from megatron.training import get_args
 
-        if get_args().ckpt_format != "fsdp_dtensor":
-            return original(*args, **kwargs)
-        import torch.distributed.checkpoint as dcp
-
-        dcp_save = dcp.save
-
-        def save(state_dict, *, storage_writer, **options):
-            def write(staging: str):
-                return dcp_save(state_dict=state_dict, storage_writer=type(storage_writer)(staging), **options)
-
-            return guarded_save(guards, storage_writer.path, write)
-
-        dcp.save = save
+        margs = get_args()
         try:
-            return original(*args, **kwargs)
-        finally:
-            dcp.save = dcp_save
+            if margs.ckpt_format != "fsdp_dtensor":
+                return original(*args, **kwargs)
+            import torch.distributed.checkpoint as dcp
+
+            dcp_save = dcp.save
+
+            def save(state_dict, *, storage_writer, **options):
+                def write(staging: str):
+                    return dcp_save(state_dict=state_dict, storage_writer=type(storage_writer)(staging), **options)
+
+                return guarded_save(guards, storage_writer.path, write)
+
+            dcp.save = save
+            try:
+                return original(*args, **kwargs)
+            finally:
+                dcp.save = dcp_save
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            ours = checkpoint_error_in(e)
+            if ours is not None:
+                raise ours from None
+            if os_error_code(e) is None and not disk_full(margs.save):
+                raise
+            iteration = args[0] if args else kwargs.get("iteration")
+            raise CheckpointError(write_failure(e, f"saving iteration {iteration}", margs.save)) from e
 
     save_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
     return save_checkpoint
@@ -212,70 +224,24 @@ class AtomicTrackerWrites:
 # ---------------------------------------------------------------------------------------
 
 
-def saved_iterations(directory: str) -> List[int]:
-    """The iterations of ``directory``'s ``iter_NNNNNNN`` directories, newest first."""
-    if not os.path.isdir(directory):
-        return []
-    found = (_ITERATION_DIR.match(name) for name in os.listdir(directory))
-    return sorted((int(m.group(1)) for m in found if m), reverse=True)
-
-
-def read_tracker(directory: str) -> Optional[str]:
-    """What ``directory``'s tracker names (an iteration, or ``release``); None when it is
-    missing, empty or anything else."""
-    try:
-        with open(os.path.join(directory, TRACKER)) as f:
-            text = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return text if text.isdigit() or text == "release" else None
-
-
-def _newest_verified(directory: str) -> Optional[int]:
-    for iteration in saved_iterations(directory):
-        try:
-            verify_manifest(os.path.join(directory, f"iter_{iteration:07d}"), local=True)
-        except CheckpointIntegrityError:
-            continue
-        return iteration
-    return None
-
-
-def repair_load_directory(directory: str, choose: bool = True) -> Optional[int]:
-    """On rank 0, before anything is loaded: undo what interrupted saves of ours left in
-    ``directory`` (a swap's ``iter_N.old``, a staging ``iter_N.tmp``); with ``choose``, when
-    its tracker is unreadable (or missing beside saved iterations) return the newest
-    iteration that verifies (one line says so), else None (the tracker is fine, or nothing
-    was saved)."""
+def choose_iteration(directory: str, owned: bool, choose: bool) -> Optional[int]:
+    """On rank 0, before anything is loaded from ``directory``: when this job owns it
+    (``--load`` is ``--save``, whose lock it holds) undo what interrupted saves of ours left
+    there; with ``choose``, the iteration to load when the tracker cannot say
+    (``checkpoint_dirs.resume_iteration``, one line says why), else None. A directory this
+    job does not own is only read: its leftovers may be another job's work in progress, or
+    the directory read-only."""
     if not os.path.isdir(directory):
         return None
-    for name in sorted(os.listdir(directory)):
-        match = re.match(r"^(iter_\d{7})\.(old|tmp)$", name)
-        if match and match.group(2) == "old":
-            done = recover_interrupted_swap(os.path.join(directory, match.group(1)))
-            if done:
-                _say(done)
-        elif match:
-            shutil.rmtree(os.path.join(directory, name))
-            _say(f"removed {os.path.join(directory, name)}, left by an interrupted save")
-    tracker = os.path.join(directory, TRACKER)
-    if not choose or read_tracker(directory) is not None or not saved_iterations(directory):
+    if owned:
+        for line in remove_leftovers(directory):
+            _say(line)
+    if not choose:
         return None
-    newest = _newest_verified(directory)
-    what = "is missing" if not os.path.exists(tracker) else "is empty or unreadable"
-    if newest is None:
-        raise CheckpointError(
-            f"{tracker} {what} and no iteration in {directory} verifies against its manifest: nothing to resume "
-            "from; check the directory, or start a new run with another --save"
-        )
-    _say(f"{tracker} {what}: resuming from iter_{newest:07d}, the newest iteration that verifies")
-    return newest
-
-
-def _broadcast(value):
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    iteration, why = resume_iteration(directory)
+    if why:
+        _say(why)
+    return iteration
 
 
 def _wrap_load_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
@@ -285,26 +251,39 @@ def _wrap_load_checkpoint(original: Callable, guards: CheckpointGuards) -> Calla
         args = get_args()
         directory = getattr(args, load_arg, None)
         if not directory or not dist.is_initialized():
-            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
-        chosen, error = None, None
-        if _rank0():
-            try:
-                chosen = repair_load_directory(directory, choose=args.ckpt_step is None)
-            except CheckpointError as e:
-                error = str(e)
-        chosen, error = _broadcast((chosen, error))
-        if error:
-            raise CheckpointError(error)
+            return _one_error(original)(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
+        owned = _same(directory, args.save) and save_lock.held(args.save) is not None if _rank0() else False
+        chosen = on_rank0(
+            lambda: choose_iteration(directory, owned, choose=args.ckpt_step is None), "reading", directory
+        )
         given = args.ckpt_step
         guards.resume_iteration = given if given is not None else chosen
         args.ckpt_step = guards.resume_iteration  # Megatron-LM reads no tracker then, present or not
         try:
-            return original(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
+            return _one_error(original)(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
         finally:
             guards.resume_iteration, args.ckpt_step = None, given
 
     load_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
     return load_checkpoint
+
+
+def _one_error(function: Callable) -> Callable:
+    """``function`` raising the :class:`CheckpointError` behind any failure (torch's
+    distributed checkpoint re-raises one a rank raised while reading, wrapped)."""
+
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except CheckpointError:
+            raise
+        except BaseException as e:
+            ours = checkpoint_error_in(e)
+            if ours is None:
+                raise
+            raise ours from None
+
+    return call
 
 
 def _wrap_read_metadata(original: Callable, guards: CheckpointGuards) -> Callable:
@@ -324,19 +303,14 @@ def _wrap_read_metadata(original: Callable, guards: CheckpointGuards) -> Callabl
     return read_metadata
 
 
-def _agreed(value):
-    """Rank 0's ``value`` on every rank: what a rank sees of the filesystem decides which
-    collectives follow, so every rank must decide alike (one rank a moment later could see
-    another state, and the ranks would wait on different collectives)."""
-    return _broadcast(value) if dist.is_initialized() and dist.get_world_size() > 1 else value
-
-
-def _manifest_facts(checkpoint_dir: str) -> Tuple[bool, bool, Optional[Tuple[str, int, int]]]:
-    """(has a manifest, has the record of one, the manifest's identity (path, mtime, size))."""
+def _manifest_facts(checkpoint_dir: str) -> Tuple[bool, bool, Optional[Tuple[str, int, int]], bool]:
+    """(has a manifest, has the record of one, the manifest's identity (path, mtime, size),
+    holds what only megatron_muon writes)."""
     if not has_manifest(checkpoint_dir):
-        return False, saved_with_manifest(checkpoint_dir), None
+        record = saved_with_manifest(checkpoint_dir)
+        return False, record, None, not record and written_by_megatron_muon(checkpoint_dir)
     stat = os.stat(os.path.join(checkpoint_dir, MANIFEST))
-    return True, True, (os.path.abspath(checkpoint_dir), stat.st_mtime_ns, stat.st_size)
+    return True, True, (os.path.abspath(checkpoint_dir), stat.st_mtime_ns, stat.st_size), True
 
 
 def verify_before_read(checkpoint_dir: str, first_read: bool, guards: CheckpointGuards) -> None:
@@ -345,14 +319,23 @@ def verify_before_read(checkpoint_dir: str, first_read: bool, guards: Checkpoint
     Megatron-LM reads a torch_dist checkpoint twice, the common state (``first_read``) and
     then the tensors; the second read skips the hashing if the manifest verified by the first
     is unchanged. Before the process group exists (Megatron-LM reading the checkpoint's
-    arguments) nothing is checked."""
-    if not dist.is_initialized():
-        return
+    arguments) this process verifies what that read reads. A checkpoint of ours that lost
+    its manifest or record is refused; one from plain Megatron-LM loads with a warning."""
     checkpoint_dir = str(checkpoint_dir)
-    manifest, record, stamp = _agreed(_manifest_facts(checkpoint_dir))
+    if not dist.is_initialized():
+        if has_manifest(checkpoint_dir):
+            verify_manifest(checkpoint_dir, local=True, items=COMMON_ITEMS)
+        return
+    manifest, record, stamp, ours = agreed(_manifest_facts(checkpoint_dir))
     if not manifest:
         if record:
             raise missing_manifest_error(checkpoint_dir)
+        if ours:
+            raise CheckpointError(
+                f"{checkpoint_dir} was written by megatron_muon but has lost its {MANIFEST} and megatron_muon.json, "
+                "which every checkpoint it writes carries: it cannot be verified, so it is refused; restore it from "
+                "a copy, or resume from an earlier iteration with --ckpt-step"
+            )
         _say(f"warning: {checkpoint_dir} has no {MANIFEST}: loading it unverified (saved without megatron_muon)")
         return
     if not first_read and guards.verified == stamp:
@@ -410,10 +393,18 @@ def _wrap_load_base_checkpoint(original: Callable, guards: CheckpointGuards) -> 
 
 
 def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) -> Callable:
+    """Megatron-LM's format detection, after an fsdp_dtensor checkpoint (by our record, or by
+    its files: one that lost its ``.metadata`` is still one) is verified: Megatron-LM would
+    call it ``unknown``, or read it as another format."""
+
     def get_checkpoint_format(checkpoint_name, *args, **kwargs):
+        fsdp = checkpoint_format(str(checkpoint_name)) == "fsdp_dtensor"
+        if fsdp:
+            verify_before_read(str(checkpoint_name), first_read=guards.first_read, guards=guards)
         ckpt_format = original(checkpoint_name, *args, **kwargs)
         if ckpt_format == "fsdp_dtensor":
-            verify_before_read(str(checkpoint_name), first_read=guards.first_read, guards=guards)
+            if not fsdp:
+                verify_before_read(str(checkpoint_name), first_read=guards.first_read, guards=guards)
             guards.fsdp_dtensor_dir = str(checkpoint_name)
         return ckpt_format
 
@@ -421,46 +412,57 @@ def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) ->
     return get_checkpoint_format
 
 
-REQUIRED_STATES = (MOMENTUM,) + ADAM_STATES
-"""Optimizer states an fsdp_dtensor checkpoint must hold for every parameter it holds; a
-Muon state switched on since (``second_moment`` of variance reduction) starts at zero."""
+def _saved_keys(checkpoint_dir: str) -> set:
+    from .checkpoint_dirs import read_metadata
+
+    return set(read_metadata(checkpoint_dir).state_dict_metadata)
 
 
 def check_holds_state(state_dict: dict, checkpoint_dir: str) -> dict:
     """``state_dict`` (what a load asks the fsdp_dtensor checkpoint for) without the optional
-    optimizer states the checkpoint lacks (they start at zero, as on torch_dist); refuses,
-    naming them, a checkpoint that lacks a weight or a required state (Megatron-LM's strict
-    DCP load would fail on it without saying what to do; a partial one would leave it as
-    initialized)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    saved = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    optimizer states the checkpoint lacks (``optimizer_state.states_to_load``: they start at
+    zero, as on torch_dist); refuses, naming them, a checkpoint that lacks a weight or a
+    required state (Megatron-LM's strict DCP load would fail on it without saying what to
+    do; a partial one would leave it as initialized)."""
+    saved = _saved_keys(checkpoint_dir)
     missing = sorted(f"model.{key}" for key in state_dict.get("model", {}) if f"model.{key}" not in saved)
-    optimizer = state_dict.get("optimizer")
-    if isinstance(optimizer, dict) and "state" in optimizer:
-        kept = {}
-        for name, states in optimizer["state"].items():
-            kept[name] = {
-                s: v for s, v in states.items() if f"optimizer.state.{name}.{s}" in saved or s in REQUIRED_STATES
-            }
-            missing += sorted(
-                f"optimizer.state.{name}.{s}" for s in kept[name] if f"optimizer.state.{name}.{s}" not in saved
-            )
-        state_dict = dict(state_dict, optimizer=dict(optimizer, state=kept))
     if missing:
         raise CheckpointError(
             f"{checkpoint_dir} lacks {len(missing)} tensor(s) this run loads ({', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}): it was saved from another model or optimizer; load it with "
-            "the flags it was trained with, or pass --no-load-optim for the weights alone"
+            f"{', ...' if len(missing) > 3 else ''}): it was saved from another model; load it with "
+            "the flags it was trained with"
         )
+    optimizer = state_dict.get("optimizer")
+    if isinstance(optimizer, dict) and "state" in optimizer:
+        wanted = {
+            name: {s: f"optimizer.state.{name}.{s}" for s in states} for name, states in optimizer["state"].items()
+        }
+        kept = states_to_load(wanted, saved, checkpoint_dir)
+        state = {
+            name: {s: v for s, v in states.items() if s in kept[name]} for name, states in optimizer["state"].items()
+        }
+        state_dict = dict(state_dict, optimizer=dict(optimizer, state=state))
     return state_dict
+
+
+def keep_saved_states(sharded_state_dict: dict, checkpoint_dir: str) -> None:
+    """Our torch_dist optimizer state in ``sharded_state_dict`` (what Megatron-LM asks the
+    checkpoint for) without the optional states the checkpoint lacks; a required one
+    missing is refused (``optimizer_state.states_to_load``)."""
+    optimizer = sharded_state_dict.get("optimizer")
+    if optimizer_kind(optimizer) != "megatron_muon":
+        return  # Megatron's own optimizer, or no optimizer loaded
+    param_state = optimizer["param_state"]
+    wanted = {name: {s: t.key for s, t in entry.items()} for name, entry in param_state.items()}
+    for name, kept in states_to_load(wanted, _saved_keys(checkpoint_dir), checkpoint_dir).items():
+        param_state[name] = {s: t for s, t in param_state[name].items() if s in kept}
 
 
 def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` replaced by
-    ``megatron_muon.fsdp_dtensor.preprocess_state_dict``; before a load, the checkpoint
+    ``checkpoint.fsdp_dtensor.preprocess_state_dict``; before a load, the checkpoint
     checked to hold every weight and optimizer state (:func:`check_holds_state`)."""
-    from megatron_muon.fsdp_dtensor import preprocess_state_dict
+    from megatron_muon.checkpoint.fsdp_dtensor import preprocess_state_dict
 
     def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
         state_dict = preprocess_state_dict(args, raw_state_dict, model)
@@ -478,6 +480,8 @@ def _wrap_load_global_dist_base_checkpoint(
     def load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kw):
         checkpoint_dir = checkpointing.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
         verify_before_read(checkpoint_dir, first_read=bool(rank0), guards=guards)
+        if not rank0 and isinstance(sharded_state_dict, dict):
+            keep_saved_states(sharded_state_dict, checkpoint_dir)
         out = original(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kw)
         if rank0 and dist.is_initialized():
             check_padded_vocabulary(out[0], checkpoint_dir)
@@ -497,16 +501,16 @@ def _wrap_load_global_dist_base_checkpoint(
 def checkpoint_patches(training: Optional[Any] = None) -> List[Tuple[Any, str, Any, Any]]:
     """``(module, name, original, wrapper)`` for the save and load points of Megatron-LM's
     ``megatron.training.checkpointing`` and ``training.load_checkpoint`` (empty when
-    Megatron-LM is not importable), and Megatron-core's writer processes
-    (``writer_processes``)."""
+    Megatron-LM is not importable), Megatron-core's writer processes (``process_lifetime``)
+    and every checkpoint reader that unpickles (``checkpoint.unpickling``)."""
     try:
         import megatron.training.checkpointing as checkpointing
     except ImportError:
         return []
-    from .writer_processes import writer_process_patches
+    from .process_lifetime import writer_process_patches
 
     guards = CheckpointGuards()
-    patches = list(writer_process_patches())
+    patches = list(writer_process_patches()) + unpickling_patches()
     package = checkpointing.dist_checkpointing
     if not isinstance(package, GuardedDistCheckpointing):
         patches.append((checkpointing, "dist_checkpointing", package, GuardedDistCheckpointing(package, guards)))

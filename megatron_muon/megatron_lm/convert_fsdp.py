@@ -20,33 +20,20 @@ RNG states move between the two forms of Megatron-LM's per-(PP, TP) rank record.
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Set, Tuple
 
 import torch
 
-from megatron_muon.checkpoint import _READ_ERRORS, FORMAT, CheckpointError, _model_param_metadata
-from megatron_muon.checkpoint import state_key as torch_dist_key
-from megatron_muon.fsdp_dtensor import GLU_HALVES, CommonState, glu_parameters, strip_wrappers
-from megatron_muon.integrity import write_manifest
+from megatron_muon.checkpoint.errors import CheckpointError
+from megatron_muon.checkpoint.fsdp_dtensor import GLU_HALVES, CommonState, glu_parameters, strip_wrappers
+from megatron_muon.checkpoint.optimizer_state import STATE_PREFIX as OPTIMIZER_STATE
+from megatron_muon.checkpoint.optimizer_state import model_param_metadata, optimizer_kind
+from megatron_muon.checkpoint.optimizer_state import state_key as torch_dist_key
+from megatron_muon.state import MASTER
 
-from .convert import (
-    Checkpoint,
-    _ensure_process_group,
-    _read_metadata,
-    check_paths,
-    check_source,
-    checkpoint_iteration,
-    publish,
-    read_checkpoint,
-    resolve_source,
-    write_checkpoint,
-)
+from .checkpoint_dirs import COMMON, GROUP_META, Checkpoint, ensure_process_group, load_dcp
 
-COMMON = "optimizer.muon.common"
-GROUP_META = "optimizer.param_to_group_meta."
-OPTIMIZER_STATE = "optimizer.state."
 CONTENT_METADATA = {  # how Megatron-LM labels a torch_dist save of ours (fully reshardable)
     "distrib_optim_sharding_type": "fully_reshardable",
     "distrib_optim_fully_reshardable_mem_efficient": False,
@@ -96,7 +83,7 @@ def model_layout(saved_args) -> Layout:
 
     if saved_args is None:
         raise CheckpointError("the checkpoint holds no Megatron-LM arguments: its model cannot be rebuilt")
-    _ensure_process_group()
+    ensure_process_group()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     args = copy.copy(saved_args)
@@ -121,7 +108,7 @@ def model_layout(saved_args) -> Layout:
             for t in _built(value):
                 layout.model.setdefault(names[id(value.data)], []).append(_piece(t))
                 layout.shapes[t.key] = (tuple(t.global_shape), t.dtype)
-    for pid, sh in _model_param_metadata(sharded).items():
+    for pid, sh in model_param_metadata(sharded).items():
         if pid in params:
             layout.state[names[pid]] = [_piece(t) for t in _built(sh)]
     return layout
@@ -196,43 +183,6 @@ def _rng_objects(rng: Dict[str, Any], args) -> Dict[Tuple[str, Tuple[int, ...], 
 # ---------------------------------------------------------------------------------------
 
 
-def is_fsdp_dtensor(path: str) -> bool:
-    """Whether ``path`` is an fsdp_dtensor checkpoint (DCP, without dist-checkpointing's
-    ``metadata.json``)."""
-    return os.path.isfile(os.path.join(path, ".metadata")) and not os.path.isfile(os.path.join(path, "metadata.json"))
-
-
-def _load(path: str, wanted=lambda key: True) -> Dict[str, Any]:
-    """The tensors (whole) and objects of the DCP checkpoint ``path`` whose keys are
-    ``wanted``, by DCP key."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-        for key, md in _read_metadata(path).state_dict_metadata.items()
-        if wanted(key)
-    }
-    try:
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    except _READ_ERRORS as e:
-        raise CheckpointError(f"{path} could not be read as an fsdp_dtensor checkpoint: {e}") from e
-    return state
-
-
-def fsdp_common(path: str) -> Dict[str, Any]:
-    """The common state of the fsdp_dtensor checkpoint ``path`` as ``convert`` reads a
-    torch_dist one's (``read_common``): iteration, and the optimizer's (ours, or Megatron's
-    AdamW marked as such), without reading a tensor."""
-    state = _load(path, lambda key: key in ("iteration", COMMON) or key.startswith(GROUP_META))
-    common = {k: v for k, v in state.items() if k == "iteration"}
-    if isinstance(state.get(COMMON), CommonState):
-        common["optimizer"] = state[COMMON].value
-    elif any(k.startswith(GROUP_META) for k in state):
-        common["optimizer"] = {"param_state_sharding_type": "fsdp_dtensor"}
-    return common
-
-
 def _join_halves(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     """Unwrapped names -> tensors, GLU ``_w`` / ``_v`` halves joined into one ``[gate; up]``."""
     out, halves = {}, {}
@@ -276,9 +226,9 @@ def _adam_common(flat: Dict[str, Any]) -> Dict[str, Any]:
 def read_fsdp_dtensor(path: str, adam: bool = False) -> Checkpoint:
     """The fsdp_dtensor checkpoint at ``path`` in the converter's torch_dist form (verify it
     first: ``convert.check_source``): a Muon run's, or with ``adam`` Megatron's AdamW's."""
-    flat = _load(path)
+    flat = load_dcp(path)
     common = flat.get(COMMON)
-    if isinstance(common, CommonState) and common.value.get("format") == FORMAT:
+    if isinstance(common, CommonState) and optimizer_kind(common.value) == "megatron_muon":
         optimizer = common.value
     elif adam and any(k.startswith(GROUP_META) for k in flat):
         optimizer = _adam_common(flat)
@@ -304,7 +254,7 @@ def read_fsdp_dtensor(path: str, adam: bool = False) -> Checkpoint:
             raise CheckpointError(f"{path} lacks the model tensor {name}")
         _place(pieces, model[name], ckpt.tensors, filled)
     _check_tiled(filled, ckpt.tensors)
-    for state, by_name in [("param", model), *((s, _join_halves(t)) for s, t in states.items())]:
+    for state, by_name in [(MASTER, model), *((s, _join_halves(t)) for s, t in states.items())]:
         tensors: Dict[str, torch.Tensor] = {}
         filled = {}
         for name, pieces in layout.state.items():
@@ -339,14 +289,14 @@ def _halves(name: str, tensor: torch.Tensor, glu: Set[str]) -> Dict[str, torch.T
     return {name + suffix: half.contiguous() for suffix, half in zip(GLU_HALVES, tensor.chunk(2))}
 
 
-def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True) -> None:
+def write_fsdp_dtensor(path: str, ckpt: Checkpoint) -> None:
     """Write the torch_dist form ``ckpt`` of a Muon run as an fsdp_dtensor checkpoint into
-    the new, empty directory ``path``, manifest last (``convert.write_checkpoint``'s twin)."""
+    the empty directory ``path`` (``checkpoint_dirs.write_checkpoint``'s twin)."""
     import torch.distributed.checkpoint as dcp
 
     optimizer = ckpt.common.get("optimizer", {})
     adam = "param_state_sharding_type" in optimizer  # Megatron's AdamW (muon-to-adam)
-    if optimizer.get("format") != FORMAT and not adam:
+    if optimizer_kind(optimizer) != "megatron_muon" and not adam:
         raise CheckpointError("only a Muon checkpoint of megatron_muon moves to Megatron-FSDP (adam-to-muon first)")
     args = ckpt.common.get("args")
     layout = model_layout(args)
@@ -355,7 +305,7 @@ def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True
         if key.startswith(OPTIMIZER_STATE):
             state, name = key[len(OPTIMIZER_STATE) :].split(".", 1)
             by_state.setdefault(state, {})[name] = tensor
-    masters = by_state.pop("param", {})
+    masters = by_state.pop(MASTER, {})
     model, states = {}, {}
     for name, pieces in layout.model.items():
         if name in layout.state:  # Megatron-FSDP's model weights are the fp32 main weights
@@ -387,9 +337,7 @@ def write_fsdp_dtensor(path: str, ckpt: Checkpoint, source_verified: bool = True
     }
     if rng:
         state_dict["rng_state"] = rng
-    os.makedirs(path, exist_ok=False)
     dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(path))
-    write_manifest(path, source_verified=source_verified)
 
 
 def _adam_optimizer(ckpt: Checkpoint, layout: Layout, states: Dict[str, Dict[str, torch.Tensor]], args) -> Dict:
@@ -409,24 +357,3 @@ def _adam_optimizer(ckpt: Checkpoint, layout: Layout, states: Dict[str, Dict[str
         metas[prefix + name] = {k: v for k, v in ckpt.group_meta[name].items() if k != "muon"}
     state = {prefix + name: dict(s, step=step.clone()) for name, s in states.items()}
     return {"state": state, "param_to_group_meta": metas}
-
-
-def change_format(src: str, dst: str, to: str, overwrite: bool = False, unverified_source: bool = False) -> Dict:
-    """``to-fsdp-dtensor`` / ``to-torch-dist``: the Muon checkpoint ``src`` in the other
-    format, published as ``dst``'s iteration (``convert.publish``: staged, manifest, tracker)."""
-    check_paths(src, dst)
-    source = resolve_source(src)
-    verified = check_source(source, unverified_source)
-    to_fsdp = to == "fsdp_dtensor"
-    if is_fsdp_dtensor(source) == to_fsdp:
-        raise CheckpointError(f"{source} is an {to} checkpoint already")
-    if to_fsdp:
-        ckpt = read_checkpoint(source)
-        if ckpt.common.get("optimizer", {}).get("format") != FORMAT:
-            raise CheckpointError(f"{source} holds no Muon optimizer state of megatron_muon: adam-to-muon first")
-    else:
-        ckpt = read_fsdp_dtensor(source)
-    iteration = checkpoint_iteration(ckpt)
-    writer = write_fsdp_dtensor if to_fsdp else write_checkpoint
-    written = publish(dst, iteration, ckpt, overwrite, source_verified=verified, writer=writer)
-    return {"tensors": len(ckpt.tensors), "iteration": iteration, "wrote": written}

@@ -19,7 +19,20 @@ import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from megatron_muon.checkpoint.errors import CheckpointError, CheckpointIntegrityError, UnsafeCheckpointError
+from megatron_muon.checkpoint.integrity import has_manifest
+from megatron_muon.checkpoint.optimizer_state import optimizer_kind
+
 from . import corpus, cpu, recipes
+from .checkpoint_dirs import (
+    COMMON_ITEMS,
+    check_source,
+    holds_a_run,
+    is_fsdp_dtensor,
+    iteration_dir_name,
+    read_common,
+    read_tracker,
+)
 from .integration import megatron_muon_group, use_megatron_muon
 
 DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": corpus.BYTE_VOCAB_SIZE}
@@ -216,6 +229,7 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
         check_checkpoint_to_load(args)
         check_checkpoint_format(args)
         check_optimizer_to_load(args)
+        take_save_directory(args)
     return args
 
 
@@ -292,33 +306,46 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
     )
 
 
-def _holds_a_run(directory: Optional[str]) -> bool:
-    """Whether ``directory`` holds a training run's checkpoints (a tracker or iterations)."""
-    from .checkpoint_guards import TRACKER, saved_iterations
-
-    return bool(directory) and (os.path.isfile(os.path.join(directory, TRACKER)) or bool(saved_iterations(directory)))
+def _same_directory(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
 def check_save_directory(args: argparse.Namespace) -> None:
-    """A ``--save`` that holds a run while ``--load`` names no checkpoint (not given, or a
-    typo) is refused here, nothing built or touched: Megatron-LM would train from scratch and
-    replace that run's iterations as it saves."""
-    if not args.save or args.start_over or not _holds_a_run(args.save) or _holds_a_run(args.load):
+    """A ``--save`` that holds a run this job does not resume is refused here, nothing built
+    or touched: with ``--load`` naming no checkpoint (not given, or a typo), or naming
+    another directory, Megatron-LM would train into it and replace that run's later
+    iterations as it saves. ``--start-over`` asks for exactly that."""
+    if not args.save or args.start_over or not holds_a_run(args.save) or _same_directory(args.load, args.save):
         return
-    given = f"--load {args.load} holds no checkpoint" if args.load else "no --load is given"
+    if holds_a_run(args.load):
+        given = f"this job resumes --load {args.load}, another run"
+    else:
+        given = f"--load {args.load} holds no checkpoint" if args.load else "no --load is given"
     raise ValueError(
-        f"--save {args.save} holds a run but {given}: resume it with --load {args.save}, save this run elsewhere "
-        "(another --save), or pass --start-over to train from scratch into it (its iterations are replaced "
+        f"--save {args.save} holds a run but {given}: resume it with --load {args.save}, save this run "
+        "elsewhere (another --save), or pass --start-over to write into it (its later iterations are replaced "
         "as this run saves)"
     )
 
 
+def take_save_directory(args: argparse.Namespace) -> None:
+    """On the first rank, before anything is built: this job's lock on ``--save``
+    (``checkpoint.save_lock``): a directory another live job writes into is refused in one
+    line naming that job, an unwritable one here rather than at the first save."""
+    if not args.save or os.environ.get("RANK", "0") != "0":
+        return
+    from megatron_muon.checkpoint.save_lock import take
+
+    try:
+        take(args.save, f"tools/pretrain_gpt.py --save {args.save}")
+    except CheckpointError as e:
+        raise ValueError(str(e)) from e
+
+
 def _iteration_to_load(args: argparse.Namespace) -> Optional[Tuple[int, str]]:
     """(iteration, its directory) that ``--load`` / ``--ckpt-step`` name; None without a
-    readable tracker (the load path repairs it: ``checkpoint_guards``)."""
-    from .checkpoint_guards import read_tracker
-    from .convert import iteration_dir_name
-
+    readable tracker naming an existing iteration (the load path resumes from the newest
+    that verifies then: ``checkpoint_guards``)."""
     tracked = read_tracker(args.load)
     if args.ckpt_step is not None:
         iteration = args.ckpt_step
@@ -326,18 +353,18 @@ def _iteration_to_load(args: argparse.Namespace) -> Optional[Tuple[int, str]]:
         iteration = int(tracked)
     else:
         return None
-    return iteration, os.path.join(args.load.rstrip("/"), iteration_dir_name(iteration))
+    path = os.path.join(args.load.rstrip("/"), iteration_dir_name(iteration))
+    return (iteration, path) if os.path.isdir(path) else None
 
 
 def check_checkpoint_format(args: argparse.Namespace) -> None:
     """``--optimizer muon --load`` of a checkpoint in the other format than the run's (an
     fsdp_dtensor one without ``--use-megatron-fsdp``, a torch_dist one with it) stops here,
     nothing built, with the converter command that moves it."""
-    from .convert_fsdp import is_fsdp_dtensor
     from .integration import _ours
 
     found = _iteration_to_load(args) if args.load and _ours(args) else None
-    if found is None or not os.path.isdir(found[1]):
+    if found is None:
         return
     fsdp = is_fsdp_dtensor(found[1])
     if fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
@@ -356,10 +383,9 @@ def check_optimizer_to_load(args: argparse.Namespace) -> None:
     """``--optimizer muon --load`` of an AdamW run (Megatron's distributed optimizer, in any of
     its formats) stops here, before any model is built, with the converter command that
     switches it to Muon (``adam-to-muon``; momentum from zeros, or ``--momentum exp_avg``).
-    ``--no-load-optim`` (weights only) loads as it is."""
-    from megatron_muon.checkpoint import FORMAT, CheckpointError, read_common
-    from megatron_muon.integrity import has_manifest
-
+    ``--no-load-optim`` (weights only) loads as it is. The checkpoint's common state is
+    verified against its manifest first, then read through the restricted unpickler; a
+    checkpoint that fails either is refused here."""
     from .integration import _ours
 
     if not (args.load and _ours(args)) or args.no_load_optim:
@@ -369,18 +395,16 @@ def check_optimizer_to_load(args: argparse.Namespace) -> None:
         return
     iteration, iteration_dir = found
     src = args.load.rstrip("/")
-    try:
-        with warnings.catch_warnings():  # torch's notice that no process group exists yet
-            warnings.simplefilter("ignore")
+    with warnings.catch_warnings():  # torch's notice that no process group exists yet
+        warnings.simplefilter("ignore")
+        check_source(iteration_dir, unverified=True, items=COMMON_ITEMS)
+        try:
             common = read_common(iteration_dir)
-    except CheckpointError:
-        return  # Megatron-LM reports what is wrong with it
-    optimizer = common.get("optimizer")
-    if (
-        not isinstance(optimizer, dict)
-        or optimizer.get("format") == FORMAT
-        or "param_state_sharding_type" not in optimizer
-    ):
+        except UnsafeCheckpointError:
+            raise
+        except CheckpointError:
+            return  # Megatron-LM reports what is wrong with it
+    if optimizer_kind(common.get("optimizer")) != "megatron":
         return
     muon = f"{src}_muon"
     source = iteration_dir if args.ckpt_step is not None else src
@@ -389,6 +413,7 @@ def check_optimizer_to_load(args: argparse.Namespace) -> None:
     raise ValueError(
         f"--load {args.load} holds AdamW state (Megatron's distributed optimizer, iteration {iteration}), not Muon's: "
         f"switch it with `{steps}` (--momentum exp_avg starts the momentum from AdamW's first moment), then --load {muon}"
+        " (or load its weights alone with --no-load-optim)"
     )
 
 
@@ -437,14 +462,18 @@ def install_argument_layers() -> None:
     install_launch_validation()
 
 
-def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """Everything before ``pretrain()``: child processes tied to this one
-    (``writer_processes``), the CPU patches where there is no GPU, a one-process
-    rendezvous for a plain ``python`` launch, our argument layers, then Megatron-LM's parsed
-    and validated arguments (set as its global arguments, as ``parse_and_validate_args`` does)."""
-    from .writer_processes import tie_forked_children_to_this_process
+def prepare(argv: Optional[Sequence[str]] = None, launcher_pid: Optional[int] = None) -> argparse.Namespace:
+    """Everything before ``pretrain()``: this rank tied to its launcher (``launcher_pid``, the
+    parent it started with, when a launcher set ``RANK``) and its child processes to it
+    (``process_lifetime``), the CPU patches where there is no GPU, a one-process rendezvous
+    for a plain ``python`` launch, our argument layers, then Megatron-LM's parsed and
+    validated arguments (set as its global arguments, as ``parse_and_validate_args`` does)
+    and this job's lock on ``--save``."""
+    from .process_lifetime import tie_forked_children_to_this_process, tie_to_launcher
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if launcher_pid is not None and "RANK" in os.environ:
+        tie_to_launcher(launcher_pid)  # a killed torchrun leaves no rank training
     tie_forked_children_to_this_process()  # checkpoint writers and data workers end with their rank
     cpu.install()
     if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: one process, no launcher
@@ -460,12 +489,9 @@ def checkpoint_errors_as_one_line():
     """A checkpoint that cannot be loaded (corrupt, unverifiable, saved for another
     vocabulary padding) ends the job with one line on rank 0 and exit code 1; every rank
     raises the same error (the checks are collective), so every rank ends."""
-    from megatron_muon.checkpoint import CheckpointError
-    from megatron_muon.integrity import CheckpointIntegrityError
-
     try:
         yield
-    except (CheckpointError, CheckpointIntegrityError) as exc:
+    except CheckpointError as exc:
         fix = ""
         if isinstance(exc, CheckpointIntegrityError) and "is corrupt" in str(exc):
             fix = "; restore the files from a copy, or resume from an earlier iteration with --ckpt-step"

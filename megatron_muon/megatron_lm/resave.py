@@ -18,7 +18,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Set
 
-from megatron_muon.checkpoint import CheckpointError
+from megatron_muon.checkpoint.errors import CheckpointError
+
+from .checkpoint_dirs import iteration_dir_name
+from .process_lifetime import die_with_this_process
 
 NOT_CARRIED = frozenset(
     {
@@ -144,8 +147,6 @@ def resave_fully_reshardable(source: str, iteration: int, saved: argparse.Namesp
     checkpoint's. Runs on the GPUs when there are enough for the run's ranks, else on the CPU."""
     import torch
 
-    from .convert import iteration_dir_name
-
     cmd = pretrain_command(
         saved,
         [*RESAVE_FLAGS, "--load", source, "--ckpt-step", str(iteration), "--save", into,
@@ -156,7 +157,7 @@ def resave_fully_reshardable(source: str, iteration: int, saved: argparse.Namesp
     if torch.cuda.device_count() < world_size(saved):
         env["CUDA_VISIBLE_DEVICES"] = ""
     print(f"re-saving {source} iteration {iteration} fully reshardable with Megatron-LM: {' '.join(cmd)}", flush=True)
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, preexec_fn=die_with_this_process())
     out = Path(into) / iteration_dir_name(iteration)
     if proc.returncode != 0 or not out.is_dir():
         said = ((proc.stderr or proc.stdout).strip().splitlines() or [""])[-1]

@@ -258,9 +258,9 @@ def gather_canonical_optimizer_state(
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    from ..checkpoint import _model_sharded_state_dict
+    from ..checkpoint.training_state import model_sharded_state_dict
 
-    model_sd = _model_sharded_state_dict(model)
+    model_sd = model_sharded_state_dict(model)
     out: Dict[str, List[Tuple[Any, torch.Tensor]]] = {}
     for value in nested_values(optimizer.sharded_state_dict(model_sd)["param_state"]):
         built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]

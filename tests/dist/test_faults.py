@@ -286,7 +286,7 @@ def _flip_byte(path: str, offset: int) -> None:
 
 def _attempt_load(ckpt, spec) -> str:
     from megatron_muon.checkpoint import load_checkpoint
-    from megatron_muon.integrity import CheckpointIntegrityError
+    from megatron_muon.checkpoint.integrity import CheckpointIntegrityError
 
     chunks, model, opt, _ = build(spec)
     try:
@@ -306,7 +306,7 @@ def _corrupted_checkpoints(ckpt):
     import torch.distributed as dist
 
     from megatron_muon.checkpoint import save_checkpoint
-    from megatron_muon.integrity import MANIFEST
+    from megatron_muon.checkpoint.integrity import MANIFEST
 
     spec = M.TinyModelSpec(kind="gqa")
     chunks, model, opt, sched = build(spec)
@@ -391,7 +391,7 @@ def _killed_resave(ckpt):
     out = {}
     # The two-rename swap of filesystems that cannot exchange directories atomically.
     with mock.patch("os.rename", side_effect=rename_then_die), mock.patch(
-        "megatron_muon.checkpoint._exchange", return_value=False
+        "megatron_muon.checkpoint.publish._exchange", return_value=False
     ):
         try:
             save_checkpoint(ckpt, model, opt, extra={"iteration": 2})
@@ -459,8 +459,9 @@ def _megatron_lm_checkpoints(ckpt_root):
     from megatron.training import global_vars
 
     from megatron_muon.checkpoint import CheckpointError
-    from megatron_muon.integrity import MANIFEST, RECORD, CheckpointIntegrityError
-    from megatron_muon.megatron_lm import checkpoint_guards
+    from megatron_muon.checkpoint.integrity import MANIFEST, RECORD, CheckpointIntegrityError
+    from megatron_muon.checkpoint import publish
+    from megatron_muon.checkpoint.save_lock import LOCK
     from megatron_muon.megatron_lm import integration as I
     from tests.helpers.megatron_lm import ARGV, parse_and_validate
 
@@ -499,7 +500,7 @@ def _megatron_lm_checkpoints(ckpt_root):
     save(1)
     first = checkpointing.get_checkpoint_name(ckpt_root, 1, return_base_dir=True)
     out["manifest_files"] = sorted(json.load(open(os.path.join(first, MANIFEST)))["files"])
-    out["after_save"] = sorted(os.listdir(ckpt_root))
+    out["after_save"] = sorted(set(os.listdir(ckpt_root)) - {LOCK})  # the job's lock on its --save stays
     out["tracker_after_save"] = tracked()
     saved_1 = _tree(first)
 
@@ -509,7 +510,7 @@ def _megatron_lm_checkpoints(ckpt_root):
 
     # A save that dies while the manifest is written: the tracker stays on iteration 1.
     assert M.train_step(model, opt, batches[1], 1, spec)[1]
-    with mock.patch.object(checkpoint_guards, "write_manifest", side_effect=_Killed()):
+    with mock.patch.object(publish, "write_manifest", side_effect=_Killed()):
         try:
             save(2)
         except _Killed:
@@ -521,13 +522,13 @@ def _megatron_lm_checkpoints(ckpt_root):
     # its swap: iteration 1 byte-identical; then completed: replaced, and it verifies.
     checkpointing.dist_checkpointing._guards.current = None
 
-    real_verify = checkpoint_guards.verify_manifest
+    real_verify = publish.verify_manifest
 
     def verify_then_die(*a, **kw):  # every rank, after the new copy verified, before the swap
         real_verify(*a, **kw)
         raise _Killed()
 
-    with mock.patch.object(checkpoint_guards, "verify_manifest", verify_then_die):
+    with mock.patch.object(publish, "verify_manifest", verify_then_die):
         try:
             save(1)
         except _Killed:
@@ -540,7 +541,7 @@ def _megatron_lm_checkpoints(ckpt_root):
     # An asynchronous save: the manifest comes with the finalize steps, after the writes.
     from megatron.core.utils import unwrap_model
 
-    from megatron_muon.integrity import has_manifest, verify_manifest
+    from megatron_muon.checkpoint.integrity import has_manifest, verify_manifest
 
     async_dir = os.path.join(ckpt_root, "async")
     dist.barrier()
@@ -655,7 +656,7 @@ def test_item_checksums_do_not_depend_on_read_blocks(tmp_path, monkeypatch):
     import os
     import zlib
 
-    from megatron_muon import integrity
+    from megatron_muon.checkpoint import integrity
 
     data = os.urandom(1000)
     path = tmp_path / "f.distcp"
@@ -669,7 +670,7 @@ def test_item_checksums_do_not_depend_on_read_blocks(tmp_path, monkeypatch):
 
 
 def test_integrity_command_line(tmp_path, capsys):
-    from megatron_muon import integrity
+    from megatron_muon.checkpoint import integrity
 
     (tmp_path / "a.bin").write_bytes(b"0123456789")
     (tmp_path / "b.bin").write_bytes(b"abc")

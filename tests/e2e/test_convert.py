@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from megatron_muon.integrity import write_manifest
+from megatron_muon.checkpoint.integrity import write_manifest
+from megatron_muon.checkpoint.save_lock import LOCK
 from megatron_muon.testing import models as M
 from megatron_muon.testing import run_distributed
 from tests.helpers import REPO
@@ -433,7 +434,7 @@ def test_converter_keeps_the_tracker_and_refuses_unverified_sources(driver_check
     --unverified-source and then labelled so; an unwritable destination is one line."""
     import shutil
 
-    from megatron_muon.integrity import MANIFEST, RECORD, source_verified
+    from megatron_muon.checkpoint.integrity import MANIFEST, RECORD, source_verified
 
     muon = tmp_path / "muon"
     shutil.copytree(driver_checkpoints / "muon", muon)  # tracker: 6
@@ -449,7 +450,11 @@ def test_converter_keeps_the_tracker_and_refuses_unverified_sources(driver_check
     (adam / MANIFEST).unlink()
     code, err = _in_process("adam-to-muon", str(adam), str(tmp_path / "out"), capsys=capsys)
     assert code == 2 and "saved with a manifest" in err and not (tmp_path / "out").exists(), err
-    (adam / RECORD).unlink()  # as plain Megatron-LM saves it
+    (adam / RECORD).unlink()  # our run's arguments still say megatron_muon wrote it: refused
+    code, err = _in_process("adam-to-muon", str(adam), str(tmp_path / "out"), "--unverified-source", capsys=capsys)
+    assert code == 2 and "lost its" in err and not (tmp_path / "out").exists(), err
+    adam = tmp_path / "plain" / "iter_0000004"  # as plain Megatron-LM saves it
+    run_distributed(_as_plain_megatron_lm, 1, str(driver_checkpoints / "adam" / "iter_0000004"), str(adam))
     code, err = _in_process("adam-to-muon", str(adam), str(tmp_path / "out"), capsys=capsys)
     assert code == 2 and "--unverified-source" in err and not (tmp_path / "out").exists(), err
     done = converter("adam-to-muon", str(adam), str(tmp_path / "out"), "--unverified-source")
@@ -462,6 +467,19 @@ def test_converter_keeps_the_tracker_and_refuses_unverified_sources(driver_check
     )
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and "a_file" in lines[0] and "Traceback" not in err, err
+
+
+def _as_plain_megatron_lm(src: str, dst: str) -> None:
+    """``src`` written again as Megatron-LM alone writes it: no manifest, no record, and
+    arguments without megatron_muon's flags (in a rank: writing needs a process group)."""
+    from megatron_muon.megatron_lm.checkpoint_dirs import read_checkpoint, write_checkpoint
+
+    ckpt = read_checkpoint(src)
+    args = ckpt.common["args"]
+    for name in [n for n in vars(args) if n == "muon_impl"]:
+        delattr(args, name)
+    os.makedirs(dst)
+    write_checkpoint(dst, ckpt)
 
 
 KILLED_DURING_WRITE = """
@@ -499,7 +517,7 @@ def _kill_when_written(*args: str) -> None:
 
 
 def _tensors(path: str) -> dict:
-    from megatron_muon.megatron_lm.convert import read_checkpoint
+    from megatron_muon.megatron_lm.checkpoint_dirs import read_checkpoint
 
     return read_checkpoint(path).tensors
 
@@ -517,8 +535,8 @@ def test_killed_conversion_keeps_the_last_good_checkpoint(driver_checkpoints, tm
     assert converter("muon-to-adam", src, str(out)).returncode == 0
     before = tree(out)
     _kill_when_written("muon-to-adam", src, str(out), "--overwrite", "--exp-avg", "momentum")
-    left = {k: v for k, v in tree(out).items() if ".tmp-" not in k}
-    assert left == before  # only the dead run's staging directory is new
+    left = {k: v for k, v in tree(out).items() if ".tmp/" not in k and k != LOCK}
+    assert left == before  # only the dead run's staging directory (and its lock) is new
     good = run_distributed(_tensors, 1, str(out / "iter_0000006"))[0]
     assert good and all(torch.isfinite(t).all() for t in good.values() if t.is_floating_point())
 
@@ -530,7 +548,8 @@ def test_a_failed_resave_leaves_nothing_and_says_why(driver_checkpoints, tmp_pat
     command to run, with no destination and no scratch directory left, the source intact."""
     import copy
 
-    from megatron_muon.checkpoint import CheckpointError, read_common
+    from megatron_muon.checkpoint import CheckpointError
+    from megatron_muon.megatron_lm.checkpoint_dirs import read_common
     from megatron_muon.megatron_lm.convert import _read_resaved
 
     source = str(driver_checkpoints / "adam" / "iter_0000004")

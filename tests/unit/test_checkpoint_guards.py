@@ -15,9 +15,9 @@ from unittest import mock
 import pytest
 import torch
 
-from megatron_muon import checkpoint
-from megatron_muon.checkpoint import CheckpointError, recover_interrupted_swap, swap_into_place
-from megatron_muon.integrity import (
+from megatron_muon.checkpoint import CheckpointError
+from megatron_muon.checkpoint import publish as checkpoint
+from megatron_muon.checkpoint.integrity import (
     MANIFEST,
     RECORD,
     CheckpointIntegrityError,
@@ -25,6 +25,8 @@ from megatron_muon.integrity import (
     verify_manifest,
     write_manifest,
 )
+from megatron_muon.checkpoint.publish import recover_interrupted_swap, swap_into_place
+from megatron_muon.megatron_lm import checkpoint_dirs as D
 from megatron_muon.megatron_lm import checkpoint_guards as G
 from megatron_muon.megatron_lm.expert_bias import PendingExpertBias, _wrap_train_step, _wrap_update_router_expert_bias
 from megatron_muon.megatron_lm.launch import check_save_directory
@@ -77,9 +79,11 @@ def test_a_swap_killed_between_its_renames_is_undone_at_load(tmp_path):
         with pytest.raises(KeyboardInterrupt):
             swap_into_place(str(staging), str(target))
     assert not target.exists() and read(tmp_path / "iter_0000003.old") == "old"
-    (tmp_path / G.TRACKER).write_text("3")
-    assert G.repair_load_directory(str(tmp_path)) is None  # the tracker is fine; the directory is back
-    assert read(target) == "old" and sorted(os.listdir(tmp_path)) == ["iter_0000003", G.TRACKER]
+    (tmp_path / D.TRACKER).write_text("3")
+    assert (
+        G.choose_iteration(str(tmp_path), owned=True, choose=True) is None
+    )  # the tracker is fine; the directory is back
+    assert read(target) == "old" and sorted(os.listdir(tmp_path)) == ["iter_0000003", D.TRACKER]
     assert recover_interrupted_swap(str(target)) is None
 
 
@@ -90,22 +94,22 @@ def test_unreadable_tracker_resumes_from_the_newest_iteration_that_verifies(tmp_
     (tmp_path / "iter_0000008").mkdir()  # a first save killed before anything was written
     saved(tmp_path / "iter_0000008.tmp", "unfinished")
     for tracker in ("", "\x00\x00", "6x"):
-        (tmp_path / G.TRACKER).write_text(tracker)
-        assert G.repair_load_directory(str(tmp_path)) == 4
+        (tmp_path / D.TRACKER).write_text(tracker)
+        assert G.choose_iteration(str(tmp_path), owned=True, choose=True) == 4
         assert "resuming from iter_0000004, the newest iteration that verifies" in capsys.readouterr().out
-        assert G.repair_load_directory(str(tmp_path), choose=False) is None
+        assert G.choose_iteration(str(tmp_path), owned=True, choose=False) is None
     assert not (tmp_path / "iter_0000008.tmp").exists()  # ours, removed; Megatron-LM's empty iter_0000008 stays
-    (tmp_path / G.TRACKER).unlink()
-    assert G.repair_load_directory(str(tmp_path)) == 4  # missing beside saved iterations
+    (tmp_path / D.TRACKER).unlink()
+    assert G.choose_iteration(str(tmp_path), owned=True, choose=True) == 4  # missing beside saved iterations
     for i in (2, 4):
         (tmp_path / f"iter_000000{i}" / "data.distcp").write_text("bad")
     with pytest.raises(CheckpointError, match="no iteration in .* verifies"):
-        G.repair_load_directory(str(tmp_path))
-    assert G.repair_load_directory(str(tmp_path / "nothing")) is None
+        G.choose_iteration(str(tmp_path), owned=True, choose=True)
+    assert G.choose_iteration(str(tmp_path / "nothing"), owned=True, choose=True) is None
 
 
 def test_tracker_writes_are_atomic(tmp_path):
-    tracker = tmp_path / G.TRACKER
+    tracker = tmp_path / D.TRACKER
     tracker.write_text("3")
     msc = G.AtomicTrackerWrites(mock.Mock(open=open))
     with pytest.raises(KeyboardInterrupt):
@@ -115,10 +119,10 @@ def test_tracker_writes_are_atomic(tmp_path):
     assert tracker.read_text() == "3"
     with msc.open(str(tracker), "w") as f:
         f.write("6")
-    assert tracker.read_text() == "6" and sorted(os.listdir(tmp_path)) == [G.TRACKER]
+    assert tracker.read_text() == "6" and sorted(os.listdir(tmp_path)) == [D.TRACKER]
     with msc.open(str(tmp_path / "other.txt"), "w") as f:  # any other file: Megatron-LM's own open
         assert not isinstance(f, G._AtomicFile)
-    assert G.read_tracker(str(tmp_path)) == "6"
+    assert D.read_tracker(str(tmp_path)) == "6"
 
 
 def test_a_deleted_manifest_is_refused_and_an_unverified_source_is_labelled(tmp_path):
@@ -142,7 +146,7 @@ def _args(**kw) -> argparse.Namespace:
 def test_save_holding_a_run_without_a_load_is_refused(tmp_path):
     run = tmp_path / "run"
     saved(run / "iter_0000003", "x")
-    (run / G.TRACKER).write_text("3")
+    (run / D.TRACKER).write_text("3")
     before = files(run)
     for load in (None, str(tmp_path / "typo")):
         with pytest.raises(ValueError, match=f"--save {run} holds a run but .*--load {run}.*--start-over"):

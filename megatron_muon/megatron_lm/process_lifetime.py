@@ -1,23 +1,35 @@
-"""Checkpoint writer processes end with the rank that started them.
+"""Nothing outlives its launcher: every process of a job ends when the one that started it does.
 
-Megatron-core's torch_dist save starts helper processes that outlive a killed rank: a
-multiprocessing manager (spawned, one per rank, holding the queue the writers report to)
-and, for asynchronous saves and Megatron-LM's background deletion of old checkpoints,
-forked processes. Killed with SIGKILL, a rank cannot stop them; each stays behind as a copy
-of the rank's memory. Here each of them asks the kernel to kill it when its parent dies
-(Linux ``PR_SET_PDEATHSIG``), and ends at once if the parent is already gone.
+A process killed with SIGKILL cannot stop its children, and on Linux they go on as orphans:
+
+* torchrun starts every rank in its own process session, so killing torchrun (its PID or
+  its process group, as ``kill -9`` from a terminal or the OOM killer does) leaves the ranks
+  training and saving into ``--save``: each rank ties itself to its launcher at start-up
+  (:func:`tie_to_launcher`);
+* Megatron-core's torch_dist save starts helper processes that outlive a killed rank: a
+  multiprocessing manager (spawned, one per rank, holding the queue the writers report to)
+  and, for asynchronous saves and Megatron-LM's background deletion of old checkpoints,
+  forked processes (:func:`tie_forked_children_to_this_process`,
+  :func:`writer_process_patches`);
+* the converter starts the same writers, and a whole training job (torchrun) to re-save an
+  AdamW checkpoint (:func:`tie_children_to_this_process`, :func:`die_with_this_process`).
+
+Each such process asks the kernel to kill it when its parent dies (Linux
+``PR_SET_PDEATHSIG``), then checks that its parent is still the one it expects, so a parent
+that died before the request took effect is caught too.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 from multiprocessing.managers import SyncManager
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Tuple
 
 _PR_SET_PDEATHSIG = 1
 _fork_hook_installed = False
@@ -33,6 +45,27 @@ def die_with_parent(parent_pid: int) -> None:
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         os._exit(1)
+
+
+def tie_to_launcher(launcher_pid: int) -> None:
+    """In a rank started by a launcher (torchrun, or any that sets ``RANK``): be killed when
+    the launcher ``launcher_pid`` ends (end now if it has). ``launcher_pid`` is the parent
+    the rank saw when it started (``os.getppid()`` first thing in the script): a launcher
+    that died since is caught by the check after the request."""
+    die_with_parent(launcher_pid)
+
+
+def die_with_this_process() -> Callable[[], None]:
+    """A ``preexec_fn`` for ``subprocess``: the child is killed when this process ends."""
+    return functools.partial(die_with_parent, os.getpid())
+
+
+def tie_children_to_this_process() -> None:
+    """For a tool's process (the converter): processes it forks and Megatron-core's
+    checkpoint writers' manager end with it."""
+    tie_forked_children_to_this_process()
+    for owner, name, _, replacement in writer_process_patches():
+        setattr(owner, name, replacement)
 
 
 def _before_fork() -> None:

@@ -10,8 +10,8 @@ and ``exp_avg_sq`` for the non-matrix parameters, the Muon registry's states
 (``state.muon_states``: ``momentum_buffer``...) for the matrices. A Muon state is wrapped
 from this rank's flat shard of it, on every rank, empty shards included: saving is one
 collective per ``DTensor``, so every rank must hold every key. States kept per logical
-matrix on its owner are first scattered to the shards (``checkpoint.shard_values``). The
-common part (format, steps, grad scaler, settings: ``checkpoint.common_state``) is one
+matrix on its owner are first scattered to the shards (``optimizer_state.shard_values``). The
+common part (format, steps, grad scaler, settings: ``optimizer_state.common_state``) is one
 object under ``"muon"``.
 
 SwiGLU: a TP-sharded ``linear_fc1`` holds ``[gate_r; up_r]`` rows on TP rank ``r``, so its
@@ -29,8 +29,9 @@ from typing import Any, Dict, Iterator, Tuple
 
 import torch
 
-from .checkpoint import (
-    CheckpointError,
+from ..state import ADAM_STATES, init_adam_states
+from .errors import CheckpointError
+from .optimizer_state import (
     chain_common_state,
     load_param_state,
     params_in_order,
@@ -38,8 +39,6 @@ from .checkpoint import (
     shard_values,
     state_names,
 )
-from .optimizer import init_state
-from .state import ADAM_STATES
 
 GLU_HALVES = ("_w", "_v")
 """Suffixes of the gate and up halves of a GLU ``linear_fc1`` (Megatron-LM's)."""
@@ -101,7 +100,7 @@ def optimizer_state(chain, is_loading: bool) -> Dict[str, Any]:
     state: Dict[str, Dict[str, Any]] = {}
     groups: Dict[str, Dict[str, Any]] = {}
     for opt in chain.muon_optimizers:
-        init_state(opt.optimizer)  # AdamW states on every rank, empty shards included
+        init_adam_states(opt.optimizer)  # AdamW states on every rank, empty shards included
         values = {} if is_loading else shard_values(opt)  # collective with owner-kept states
         for name, param in _muon_params(opt):
             if not is_loading:  # Megatron's group settings, for a conversion to its AdamW (muon-to-adam)
@@ -128,7 +127,7 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
     orthogonalization group with owner-kept states)."""
     common = state_dict.get("muon", {}).get("common")
     common = common.value if isinstance(common, CommonState) else None
-    require_ours(common)
+    require_ours(common, "The fsdp_dtensor checkpoint loaded")
     chain.num_steps = int(common["step"])
     saved = state_dict["state"]
     for opt in chain.muon_optimizers:
@@ -137,7 +136,7 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
             for key, param in params_in_order(opt)
         }
         load_param_state(opt, local, chain.num_steps, local=True)
-        init_state(opt.optimizer)
+        init_adam_states(opt.optimizer)
         for name, param, _ in _adam_params(opt):
             torch_state = opt.optimizer.state[param]
             for key, value in saved.get(name, {}).items():

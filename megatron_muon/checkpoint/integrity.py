@@ -17,29 +17,39 @@ add on top:
 * **Written atomically**, after everything else: a temporary file, fsync, ``os.replace``.
   A directory whose manifest is missing was not completely saved.
 * **Its absence is noticed.** Before hashing, a record (``megatron_muon.json``, covered by
-  the manifest) says that the directory carries a manifest, so a checkpoint whose manifest
-  was deleted is refused rather than loaded as one from a tool that writes none.
+  the manifest) says that the directory carries a manifest and which format it holds, so a
+  checkpoint whose manifest was deleted is refused rather than loaded as one from a tool
+  that writes none.
+* **It lists the whole directory.** A file the manifest does not name (added after the
+  save), or one it names that is gone, fails verification like a changed one; a manifest
+  that lists nothing verifies nothing, so it is refused.
 
 Sizes are checked before contents: a truncated file is reported as truncated, a missing file
-as missing. ``python -m megatron_muon.integrity write|verify DIR`` runs the same on one
-process.
+as missing. ``items`` verifies only what a reader is about to read (the small files whole,
+named items of the data files by their CRC-32), for a look at a checkpoint's common state
+before the collective load verifies everything. ``python -m
+megatron_muon.checkpoint.integrity write|verify DIR`` runs the same on one process.
 
-Public API: :func:`write_manifest`, :func:`verify_manifest`, :func:`has_manifest`,
-:func:`saved_with_manifest`, :class:`CheckpointIntegrityError`, :data:`MANIFEST`, :data:`RECORD`.
+The manifest is an unkeyed checksum: it detects corruption and incomplete or mixed saves, not
+a forger, who can rewrite it (``docs/checkpoints.md``: what reading a checkpoint guarantees).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import sys
 import zlib
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
+
+from .errors import CheckpointIntegrityError
+from .unpickling import load_pickle
 
 MANIFEST = INTEGRITY_FNAME
 """File name of the manifest inside a checkpoint directory (Megatron-core's)."""
@@ -48,10 +58,6 @@ RECORD = "megatron_muon.json"
 ALGORITHM = "sha256"
 _BLOCK = 16 << 20
 _TORCH_METADATA = ".metadata"
-
-
-class CheckpointIntegrityError(RuntimeError):
-    """A checkpoint's files do not match its manifest (or it has none)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -64,11 +70,11 @@ Item = Tuple[int, int, str]  # (offset, length, name)
 def _stored_items(checkpoint_dir: str) -> Dict[str, List[Item]]:
     """File name -> the byte ranges of the tensors / objects torch's ``.metadata`` places
     in it (empty when the directory has no torch_dist metadata)."""
-    if not os.path.isfile(os.path.join(checkpoint_dir, _TORCH_METADATA)):
+    path = os.path.join(checkpoint_dir, _TORCH_METADATA)
+    if not os.path.isfile(path):
         return {}
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(checkpoint_dir).read_metadata()
+    with open(path, "rb") as f:
+        metadata = load_pickle(f, path)
     out: Dict[str, List[Item]] = {}
     for index, info in metadata.storage_data.items():
         offset = tuple(index.offset) if index.offset is not None else ()
@@ -149,6 +155,17 @@ def _checkpoint_files(checkpoint_dir: str) -> Dict[str, int]:
 # ---------------------------------------------------------------------------------------
 
 
+def stored_format(checkpoint_dir: str) -> str:
+    """What the files of ``checkpoint_dir`` are: ``torch_dist`` (Megatron-core's
+    dist-checkpointing, with its ``metadata.json``), ``fsdp_dtensor`` (torch DCP alone), or
+    ``unknown``."""
+    if os.path.isfile(os.path.join(checkpoint_dir, "metadata.json")):
+        return "torch_dist"
+    if os.path.isfile(os.path.join(checkpoint_dir, _TORCH_METADATA)):
+        return "fsdp_dtensor"
+    return "unknown"
+
+
 def write_manifest(
     checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None, source_verified: bool = True
 ) -> None:
@@ -156,14 +173,14 @@ def write_manifest(
 
     Collective over ``group`` (default: all ranks) when torch.distributed is initialized:
     call it on every rank after every rank finished writing (e.g. after
-    ``dist_checkpointing.save`` returned). Rank 0 first writes the :data:`RECORD`; each rank
-    hashes its share of the files; rank 0 writes the manifest; all ranks return after it
-    exists. ``source_verified=False`` (a conversion of a checkpoint that had no manifest)
-    says so in the record, and loading warns.
+    ``dist_checkpointing.save`` returned). Rank 0 first writes the :data:`RECORD` (that a
+    manifest exists, the format); each rank hashes its share of the files; rank 0 writes the
+    manifest; all ranks return after it exists. ``source_verified=False`` (a conversion of a
+    checkpoint that had no manifest) says so in the record, and loading warns.
     """
     rank, world = _group_info(group)
     if rank == 0:
-        record = {"manifest": MANIFEST, "source_verified": source_verified}
+        record = {"manifest": MANIFEST, "source_verified": source_verified, "format": stored_format(checkpoint_dir)}
         write_atomically(os.path.join(checkpoint_dir, RECORD), json.dumps(record))
     sizes = _checkpoint_files(checkpoint_dir) if rank == 0 else None
     sizes = _broadcast(sizes, group, world)
@@ -199,11 +216,16 @@ def write_atomically(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old contents or the new, never a
     part: a temporary file, fsync, ``os.replace``, fsync of the directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -227,13 +249,19 @@ def saved_with_manifest(checkpoint_dir: str) -> bool:
     return os.path.isfile(os.path.join(checkpoint_dir, RECORD))
 
 
-def source_verified(checkpoint_dir: str) -> bool:
-    """False when the record says the checkpoint was converted from an unverified source."""
+def record(checkpoint_dir: str) -> Dict[str, object]:
+    """What the :data:`RECORD` says (empty when there is none or it is unreadable)."""
     try:
         with open(os.path.join(checkpoint_dir, RECORD)) as f:
-            return bool(json.load(f).get("source_verified", True))
+            value = json.load(f)
     except (OSError, ValueError):
-        return True
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def source_verified(checkpoint_dir: str) -> bool:
+    """False when the record says the checkpoint was converted from an unverified source."""
+    return bool(record(checkpoint_dir).get("source_verified", True))
 
 
 def missing_manifest_error(checkpoint_dir: str) -> CheckpointIntegrityError:
@@ -241,7 +269,7 @@ def missing_manifest_error(checkpoint_dir: str) -> CheckpointIntegrityError:
     return CheckpointIntegrityError(
         f"{checkpoint_dir} was saved with a manifest ({RECORD} says so) but {MANIFEST} is missing: its files "
         "cannot be verified; restore it from a copy of the checkpoint, or if you trust the files, write a new one "
-        f"with `python -m megatron_muon.integrity write {checkpoint_dir}`"
+        f"with `python -m megatron_muon.checkpoint.integrity write {checkpoint_dir}`"
     )
 
 
@@ -253,28 +281,64 @@ def _read_manifest(checkpoint_dir: str) -> dict:
         raise CheckpointIntegrityError(
             f"{checkpoint_dir} has no {MANIFEST}: it was not completely saved (the manifest is "
             "written last), or by a tool that writes none; if you trust its files, write one "
-            f"with `python -m megatron_muon.integrity write {checkpoint_dir}`."
+            f"with `python -m megatron_muon.checkpoint.integrity write {checkpoint_dir}`."
         )
     try:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointIntegrityError(f"{path} is unreadable ({e}); the checkpoint cannot be verified.") from e
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointIntegrityError(
+            f"{path} is not a manifest (no file -> sha256 table); the checkpoint cannot be verified."
+        )
     if manifest.get("algorithm", ALGORITHM) != ALGORITHM:
         raise CheckpointIntegrityError(f"{path}: unsupported hash algorithm {manifest.get('algorithm')!r}.")
+    if not files:
+        raise CheckpointIntegrityError(f"{path} lists no files: it verifies nothing, so the checkpoint is refused.")
     return manifest
 
 
-def _check_file(checkpoint_dir: str, name: str, manifest: dict) -> Optional[str]:
-    """One line describing what is wrong with file ``name``, or None."""
+def _listing_problems(checkpoint_dir: str, manifest: dict) -> List[str]:
+    """Files the manifest names that are missing or of another size, and entries of the
+    directory it does not name (one line each)."""
+    problems = []
+    sizes = manifest.get("sizes", {})
+    present = {entry.name: entry for entry in os.scandir(checkpoint_dir) if entry.name != MANIFEST}
+    for name in manifest["files"]:
+        entry = present.get(name)
+        if entry is None or not entry.is_file():
+            problems.append(f"{name}: missing")
+        elif sizes.get(name) is not None and entry.stat().st_size != sizes[name]:
+            problems.append(f"{name}: truncated or extended ({entry.stat().st_size} bytes, saved with {sizes[name]})")
+    problems += [
+        f"{name}: not in the manifest (added after the save)" for name in sorted(set(present) - set(manifest["files"]))
+    ]
+    return problems
+
+
+def _changed_items(path: str, recorded: list, labels: Sequence[str]) -> List[str]:
+    """The recorded items of data file ``path`` whose label starts with one of ``labels``
+    and whose bytes no longer match their CRC-32."""
+    changed = []
+    with open(path, "rb") as f:
+        for offset, length, crc, label in recorded:
+            if label.startswith(tuple(labels)):
+                f.seek(offset)
+                if zlib.crc32(f.read(length)) != crc:
+                    changed.append(label)
+    return changed
+
+
+def _check_file(checkpoint_dir: str, name: str, manifest: dict, items: Optional[Sequence[str]]) -> Optional[str]:
+    """One line describing how file ``name`` (present, of its size) differs from the
+    manifest, or None. With ``items``, a data file is checked only at those items."""
     path = os.path.join(checkpoint_dir, name)
-    if not os.path.isfile(path):
-        return f"{name}: missing"
-    expected_size = manifest.get("sizes", {}).get(name)
-    size = os.path.getsize(path)
-    if expected_size is not None and size != expected_size:
-        return f"{name}: truncated or extended ({size} bytes, saved with {expected_size})"
     recorded = manifest.get("items", {}).get(name, [])
+    if items is not None and recorded:
+        changed = _changed_items(path, recorded, items)
+        return f"{name}: contents changed in {', '.join(changed[:3])}" if changed else None
     sha, _, crcs = _hash_file(path, [(o, n, label) for o, n, _, label in recorded])
     if sha == manifest["files"][name]:
         return None
@@ -287,15 +351,23 @@ def _check_file(checkpoint_dir: str, name: str, manifest: dict) -> Optional[str]
     return f"{name}: contents changed (sha256 mismatch){where}"
 
 
-def verify_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = None, local: bool = False) -> None:
-    """Check every file of ``checkpoint_dir`` against its manifest before anything is read.
+def verify_manifest(
+    checkpoint_dir: str,
+    group: Optional[dist.ProcessGroup] = None,
+    local: bool = False,
+    items: Optional[Sequence[str]] = None,
+) -> None:
+    """Check ``checkpoint_dir`` against its manifest before anything of it is read.
 
-    Collective over ``group`` (default: all ranks) when torch.distributed is initialized:
-    each rank hashes its share of the files, the findings are all-gathered, and every rank
-    raises the same :class:`CheckpointIntegrityError` naming the files (and, for torch_dist
-    data files, the tensors) that are missing, truncated or changed. A missing or unreadable
-    manifest fails the same way on every rank. ``local=True``: this process checks every
-    file alone (no collective), e.g. rank 0 choosing a checkpoint for everyone.
+    Every file the manifest names must be there with its size, nothing else may be, and
+    every file must hash as saved. Collective over ``group`` (default: all ranks) when
+    torch.distributed is initialized: each rank hashes its share of the files, the findings
+    are all-gathered, and every rank raises the same :class:`CheckpointIntegrityError`
+    naming the files (and, for torch_dist data files, the tensors) that are missing,
+    truncated, changed or unlisted. A missing, unreadable or empty manifest fails the same
+    way on every rank. ``local=True``: this process checks every file alone (no collective),
+    e.g. rank 0 choosing a checkpoint for everyone. ``items``: check the data files only at
+    the stored items whose names start so (``("common_state",)``), every other file whole.
     """
     rank, world = (0, 1) if local else _group_info(group)
     problems: List[str] = []
@@ -304,9 +376,13 @@ def verify_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = No
     except CheckpointIntegrityError as e:
         manifest, problems = None, [str(e)]
     if manifest is not None:
-        sizes = manifest.get("sizes") or {name: 1 for name in manifest["files"]}
-        for name in _my_share({n: sizes.get(n, 1) for n in manifest["files"]}, rank, world):
-            problem = _check_file(checkpoint_dir, name, manifest)
+        problems = _listing_problems(checkpoint_dir, manifest) if rank == 0 else []
+        present = {name for name in manifest["files"] if os.path.isfile(os.path.join(checkpoint_dir, name))}
+        sizes = manifest.get("sizes") or {}
+        for name in _my_share({n: sizes.get(n, 1) for n in manifest["files"] if n in present}, rank, world):
+            if name in sizes and os.path.getsize(os.path.join(checkpoint_dir, name)) != sizes[name]:
+                continue  # the listing reports it
+            problem = _check_file(checkpoint_dir, name, manifest, items)
             if problem:
                 problems.append(problem)
     found = sorted({p for part in _all_gather(problems, group, world) for p in part})
@@ -324,7 +400,9 @@ def verify_manifest(checkpoint_dir: str, group: Optional[dist.ProcessGroup] = No
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_muon.integrity", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_muon.checkpoint.integrity", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("action", choices=("write", "verify"))
     parser.add_argument("checkpoint_dir")
     args = parser.parse_args(argv)

@@ -1,0 +1,37 @@
+"""What a checkpoint that cannot be used raises: one class per reason, each message one line
+that names the cause and the fix."""
+
+from __future__ import annotations
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (or written), with the reason and the fix."""
+
+
+class CheckpointIntegrityError(CheckpointError):
+    """A checkpoint's files do not match its manifest (or it has none)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint that holds an object whose unpickling could run code."""
+
+
+class SaveDirectoryLockedError(CheckpointError):
+    """A save directory another live job writes into."""
+
+
+def checkpoint_error_in(error: BaseException):
+    """The :class:`CheckpointError` behind ``error`` (itself, a cause, or a failure that
+    torch's distributed checkpoint collected from a rank and re-raised wrapped), or None."""
+    seen, pending = set(), [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, CheckpointError):
+            return error
+        pending += [error.__cause__, error.__context__]
+        for failure in getattr(error, "failures", {}).values():
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None

@@ -1,0 +1,302 @@
+"""The Muon optimizer's state in Megatron ``dist_checkpointing`` (torch_dist), reshardable.
+
+Every optimizer state tensor is saved in *model coordinates*: for each model parameter,
+its fp32 master weight (``param``) and its states (the registry's, ``state.MUON_STATES``,
+for a Muon matrix: ``momentum_buffer``, with variance reduction ``second_moment``; AdamW's
+``exp_avg``, ``exp_avg_sq`` for the others), each with the shape of the parameter and
+exactly the parameter's own sharding metadata (global key, global offsets, TP/PP/EP
+fragmentation, GLU and expert factories, replica ids). So whatever layouts Megatron can
+reshard the model between (TP, PP, EP, expert-TP, DP, the expert storage layouts), it
+reshards the optimizer state between too; logical matrices are subsets of parameters and
+follow. The key names are Megatron's ``fully_reshardable`` names
+(``optimizer.state.<state>.<param key>``), so a Megatron AdamW checkpoint differs from
+ours only in which state keys exist (``tools/convert_checkpoint.py`` converts).
+
+Saving: states kept per logical matrix on its owner are first expanded to the matrix and
+cut to the holders of its pieces (the step's own scatter, in fp32); then each rank
+all-gathers, over its data-parallel group, the shards of every bucket, so it holds its
+TP-local parameters' full state; Megatron writes one copy (replica ids). Loading: each
+rank reads its TP-local parameters' state and keeps its master's range; owner-kept states
+travel back to the (possibly different) owners.
+
+Whether optimizer state is ours at all (:func:`require_ours`) and which states a load reads
+(:func:`states_to_load`: a state the registry marks optional and the checkpoint lacks starts
+at zero; a required one missing is refused) are decided here for every format and tool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Collection, Dict, Iterator, Mapping, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.api
+
+from .. import state as registry
+from ..pipeline import gather_matrices, scatter_matrices
+from ..state import MASTER, checkpoint_states, muon_states, required_in_checkpoint
+from .errors import CheckpointError
+
+FORMAT = "megatron_muon/1"
+"""The ``format`` of our optimizer's common state, in every checkpoint format."""
+READ_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
+"""What a failed checkpoint read raises (torch's distributed-checkpoint errors derive from
+BaseException, not Exception)."""
+STATE_PREFIX = "optimizer.state."
+
+
+# ---------------------------------------------------------------------------------------
+# Optimizer state <-> model-coordinate tensors
+# ---------------------------------------------------------------------------------------
+
+
+def state_key(state: str, model_key: str) -> str:
+    """The checkpoint key of one optimizer state of one model tensor."""
+    return f"{STATE_PREFIX}{state}.{model_key}"
+
+
+def state_names(opt, param) -> Tuple[str, ...]:
+    """The states a checkpoint holds for ``param`` of one optimizer: its fp32 master
+    (``param``), then the registry's enabled states (Muon matrix) or AdamW's."""
+    return checkpoint_states(opt.config, id(param) in opt.muon_param_ids)
+
+
+def model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
+    """id(param) -> its ShardedTensor / ShardedTensorFactory in the model's state dict."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    out = {}
+    for value in nested_values(model_sharded_state_dict):
+        if isinstance(value, (ShardedTensor, ShardedTensorFactory)) and value.data is not None:
+            out[id(value.data)] = value
+    return out
+
+
+@torch.no_grad()
+def shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+    """id(param) -> {state: this rank's 1-D range of it} for every param whose master this
+    rank holds (zeros for a state not allocated yet). Collective over the orthogonalization
+    group when there are owner-kept states: the owners scatter them, expanded."""
+    owner_kept = [s.name for s in muon_states(opt.config, "owner")]
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for shard in opt.shard_map:
+        if shard.master is None:
+            continue
+        state = opt.optimizer.state.get(shard.master, {})
+        values = out[id(shard.param)] = {}
+        for name in state_names(opt, shard.param):
+            value = shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
+            values[name] = value if value is not None else torch.zeros_like(shard.master, dtype=torch.float32)
+    step = opt.muon
+    for name in owner_kept:
+        for msg in step.messages:
+            expanded = [step.owner_states.expanded(name, job, step.device) for job in msg.owned]
+            for (p, start, end), piece in scatter_matrices(step, msg, expanded):
+                out[id(opt.muon_params[p].param)][name][start:end] = piece
+    return out
+
+
+@torch.no_grad()
+def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+    """Every param of ``opt``'s buffers -> {state: full TP-local tensor}, all-gathered
+    over the data-parallel group bucket by bucket (one collective per bucket and state)."""
+    local = shard_values(opt)
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for buffer in opt.shard_map.buffers:
+        group = buffer.data_parallel_group
+        size = group.size()
+        for bucket in buffer.buckets:
+            numel = bucket.grad_data.numel()
+            shard_start = group.rank() * (numel // size)
+            names = sorted({n for p in bucket.params_list for n in state_names(opt, p)})
+            for name in names:
+                mine = torch.zeros(numel // size, dtype=torch.float32, device=bucket.grad_data.device)
+                for param in bucket.params_list:
+                    shard = opt.shard_map[param]
+                    if shard.master is None or name not in state_names(opt, param):
+                        continue
+                    start = buffer.param_index_map[param][0] - bucket.offset + shard.start - shard_start
+                    mine[start : start + shard.end - shard.start] = local[id(param)][name]
+                world = torch.empty(numel, dtype=torch.float32, device=mine.device)
+                if size > 1:
+                    dist.all_gather_into_tensor(world, mine, group=group)
+                else:
+                    world.copy_(mine)
+                for param in bucket.params_list:
+                    if name in state_names(opt, param):
+                        start, end, _ = buffer.param_index_map[param]
+                        full = world[start - bucket.offset : end - bucket.offset]
+                        out.setdefault(id(param), {})[name] = full.view(param.shape).clone()
+    return out
+
+
+def params_in_order(opt) -> Iterator[Tuple[str, torch.nn.Parameter]]:
+    """(python key, param) for every param of ``opt``'s buffers, in a fixed order.
+
+    The python keys only need to match between saving and loading in the same process
+    (the checkpoint itself is keyed by ``ShardedTensor.key`` and offsets), so the buffer
+    position is enough."""
+    for i, param in enumerate(opt.shard_map.params):
+        yield f"{opt.name}.{i}", param
+
+
+def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dict[str, Dict[str, Any]]:
+    """``{python key: {state: ShardedTensor(-Factory)}}`` for one MuonDistributedOptimizer."""
+    metadata = model_param_metadata(model_sharded_state_dict)
+    full = {} if is_loading else gather_full_states(opt)
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, param in params_in_order(opt):
+        sh = metadata.get(id(param))
+        if sh is None:
+            raise CheckpointError(
+                f"A parameter of shape {tuple(param.shape)} is missing from the model's "
+                "sharded_state_dict; build it with model.sharded_state_dict() (keep_vars) "
+                "from the same model chunks the optimizer was built for."
+            )
+        entry = {}
+        for key in state_names(opt, param):
+            data = (
+                torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                if is_loading
+                else full[id(param)][key]
+            )
+            kwargs = dict(key=state_key(key, sh.key), data=data)
+            if hasattr(sh, "dtype"):
+                kwargs["dtype"] = torch.float32
+            entry[key] = replace(sh, **kwargs)
+        out[name] = entry
+    return out
+
+
+def common_state(step: int, optimizers: Dict[str, Any], muon_config: Dict[str, Any]) -> Dict[str, Any]:
+    """The non-tensor part of a Muon optimizer checkpoint, the one schema (the converter
+    writes it too): format, successful steps, each optimizer's grad scaler and parameter
+    groups (``MuonDistributedOptimizer.common_state``), the ``MuonConfig`` settings saved."""
+    return {"format": FORMAT, "step": step, "optimizers": optimizers, "muon_config": muon_config}
+
+
+def optimizer_sharded_state(chain, model_sharded_state_dict, is_loading: bool) -> Dict[str, Any]:
+    """The ``MuonChainedOptimizer``'s whole sharded state (``sharded_state_dict``)."""
+    param_state: Dict[str, object] = {}
+    for opt in chain.muon_optimizers:
+        param_state.update(_sharded_param_state(opt, model_sharded_state_dict, is_loading))
+    return dict(chain_common_state(chain), param_state=param_state)
+
+
+def chain_common_state(chain) -> Dict[str, Any]:
+    """:func:`common_state` of a ``MuonChainedOptimizer``."""
+    settings = {
+        k: (str(v) if isinstance(v, torch.dtype) else v)
+        for k, v in vars(chain.config).items()
+        if (k.startswith("muon_") or k in ("lr", "min_lr", "weight_decay", "clip_grad", "bf16", "fp16"))
+        and not callable(v)
+    }
+    optimizers = {opt.name: opt.common_state() for opt in chain.muon_optimizers}
+    return common_state(chain.num_steps, optimizers, settings)
+
+
+def optimizer_kind(common: Any) -> str:
+    """Whose optimizer state a checkpoint's common ``optimizer`` entry is: ``megatron_muon``,
+    ``megatron`` (Megatron's distributed optimizer, e.g. AdamW: its ``param_state_sharding_type``,
+    or with expert parallelism its chained ``{0: ..., 1: ...}``), or ``none``."""
+    if isinstance(common, dict) and common.get("format") == FORMAT:
+        return "megatron_muon"
+    parts = (
+        list(common.values())
+        if isinstance(common, dict) and common and all(isinstance(k, int) for k in common)
+        else [common]
+    )
+    if all(isinstance(p, dict) and "param_state_sharding_type" in p for p in parts):
+        return "megatron"
+    return "none"
+
+
+def require_ours(common: Any, where: str = "This checkpoint") -> None:
+    """Refuse optimizer state whose common part (:func:`common_state`) is not ours, naming
+    the conversion that makes it ours where there is one."""
+    kind = optimizer_kind(common)
+    if kind == "megatron_muon":
+        return
+    hint = (
+        "it was written by Megatron's own distributed optimizer (AdamW): convert it with "
+        "`python tools/convert_checkpoint.py adam-to-muon`"
+        if kind == "megatron"
+        else "it was not written by megatron_muon"
+    )
+    raise CheckpointError(f"{where} holds no Muon optimizer state of megatron_muon: {hint}")
+
+
+def states_to_load(
+    wanted: Mapping[str, Mapping[str, str]], saved: Collection[str], where: str
+) -> Dict[str, Tuple[str, ...]]:
+    """For each parameter (``{name: {state: checkpoint key}}``, what a run would read), the
+    states to read from a checkpoint holding the keys ``saved``: every state it holds; an
+    optional one it lacks (``state.MatrixState.required``) is left out and starts at zero;
+    a required one it lacks (the fp32 master, AdamW's states, the momentum) is refused,
+    naming it: the checkpoint is another optimizer's or model's."""
+    out, missing = {}, []
+    for name, states in wanted.items():
+        out[name] = tuple(s for s, key in states.items() if key in saved)
+        missing += [key for s, key in states.items() if key not in saved and required_in_checkpoint(s)]
+    if missing:
+        raise CheckpointError(
+            f"{where} lacks {len(missing)} optimizer state tensor(s) this run loads ({', '.join(sorted(missing)[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): it was saved from another model or optimizer; load it with "
+            "the flags it was trained with, or load the weights alone (--no-load-optim)"
+        )
+    return out
+
+
+def unused_state_prefixes(config) -> Tuple[str, ...]:
+    """Checkpoint key prefixes of the registry's states this run does not use (a checkpoint
+    saved with variance reduction holds ``second_moment``, a run without it ignores them)."""
+    return tuple(state_key(s.name, "") for s in registry.MUON_STATES if not s.enabled(config))
+
+
+@torch.no_grad()
+def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
+    """Load what ``dist_checkpointing.load`` returned for :func:`optimizer_sharded_state`
+    into the chained optimizers (collective over each orthogonalization group when there
+    are owner-kept states: the holders send their pieces to the new owners)."""
+    require_ours(state_dict, "The optimizer state loaded")
+    chain.num_steps = int(state_dict["step"])
+    commons = state_dict["optimizers"]
+    for opt in chain.muon_optimizers:
+        load_param_state(opt, state_dict["param_state"], chain.num_steps)
+        opt.load_common_state(commons.get(opt.name) or commons["dense"])
+
+
+def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int, local: bool = False) -> None:
+    """Set ``opt``'s masters and states from ``param_state`` (python key -> {state: tensor}):
+    whole TP-local tensors of which this rank keeps its range, or with ``local`` this rank's
+    range already (Megatron-FSDP shards)."""
+    owner_kept = {s.name: {} for s in muon_states(opt.config, "owner")}
+    for name, param in params_in_order(opt):
+        shard = opt.shard_map[param]
+        if shard.master is None:
+            continue
+        tensors = param_state[name]
+        state = opt.optimizer.state[shard.master]
+        for key in state_names(opt, param):
+            if key not in tensors:
+                continue  # saved without this state (switched on since): it starts at zero
+            flat = tensors[key].reshape(-1)
+            flat = (flat if local else flat[shard.start : shard.end]).to(shard.master.device)
+            if key == MASTER:
+                shard.master.copy_(flat)
+            elif key in owner_kept:
+                owner_kept[key][id(shard.master)] = flat.clone()
+            else:
+                state[key] = flat.clone()
+        state["step"] = torch.tensor(float(step))
+    step_state = opt.muon
+    for key, pieces in owner_kept.items():
+        step_state.owner_states.values[key].clear()
+        if not any(key in param_state[name] for name, _ in params_in_order(opt)):
+            continue  # the same answer on every rank: from the checkpoint's common state
+        inputs = [pieces.get(id(m)) if m is not None else None for m in step_state.masters]
+        for job, matrices in gather_matrices(step_state, inputs):
+            step_state.owner_states.set_from_expanded(key, job, matrices)
+    step_state.shard_states.adopt()

@@ -1,0 +1,264 @@
+"""Publishing a checkpoint directory: at every instant its name holds a complete, verified
+checkpoint or nothing.
+
+:func:`publish` is the one routine every writer goes through (the library's
+``save_checkpoint``, Megatron-LM's ``save_checkpoint`` through
+``megatron_lm.checkpoint_guards``, and the converter):
+
+1. every rank writes into ``<target>.tmp`` (the staging directory), never into ``target``;
+2. once all have written, the manifest (``integrity``) is written, last;
+3. when ``target`` exists (a re-save), the new copy is verified before it replaces it;
+4. the save directory's lock (``save_lock``) is confirmed to be still this job's;
+5. rank 0 swaps the directory into place (:func:`swap_into_place`);
+6. the tracker file, if the writer keeps one, is replaced atomically to name it.
+
+A failure at any step leaves ``target`` as it was (and the staging directory, which the next
+publish of the same target, or a load that owns the directory, removes). Failures on one rank
+are raised on every rank (:func:`on_rank0`), so no rank waits in a collective another left;
+a full disk is named as such (:func:`write_failure`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+from typing import Any, Callable, Optional, Tuple
+
+import torch.distributed as dist
+
+from .errors import CheckpointError
+from .integrity import has_manifest, verify_manifest, write_atomically, write_manifest
+
+STAGING = ".tmp"
+"""Suffix of the directory a checkpoint is written into before it is swapped into place."""
+PREVIOUS = ".old"
+"""Suffix of the previous copy while a swap without an atomic exchange runs."""
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def agreed(value):
+    """Rank 0's ``value`` on every rank: what a rank sees of the filesystem decides which
+    collectives follow, so every rank must decide alike."""
+    if _world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def on_rank0(action: Callable[[], Any], what: str, directory: str) -> Any:
+    """Run ``action`` on rank 0; its result on every rank, or its failure raised on every
+    rank: a :class:`CheckpointError` as it is, an ``OSError`` as one line
+    (:func:`write_failure`)."""
+    result, error = None, None
+    if _rank0():
+        try:
+            result = action()
+        except CheckpointError as e:
+            error = (type(e), str(e))
+        except OSError as e:
+            error = (CheckpointError, write_failure(e, what, directory))
+    result, error = agreed((result, error))
+    if error:
+        raise error[0](error[1])
+    return result
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def publish(
+    target: str,
+    write: Callable[[str], Any],
+    *,
+    tracker: Optional[Tuple[str, str]] = None,
+    source_verified: bool = True,
+    lock: Any = None,
+) -> Any:
+    """``write(staging)`` on every rank, then steps 2-6 of the module docstring, collectively.
+
+    ``write`` may return an asynchronous request (``add_finalize_fn``): steps 2-6 then run as
+    its first finalize step. ``tracker``: ``(path, text)`` written atomically once ``target``
+    is in place. ``source_verified=False`` labels a conversion of an unverified source.
+    ``lock``: the ``save_lock.SaveLock`` this job holds on the directory (rank 0's; confirmed
+    before the swap). Returns what ``write`` returned."""
+    target = str(target).rstrip("/")
+    staging = target + STAGING
+
+    def prepare() -> None:
+        shutil.rmtree(staging, ignore_errors=True)  # a killed publish of this target left it
+        os.makedirs(staging)
+
+    on_rank0(prepare, "creating the staging directory", staging)
+    _barrier()
+    request = write(staging)
+
+    def finish() -> None:
+        replacing = agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
+        write_manifest(staging, source_verified=source_verified)  # collective; ends with a barrier
+        if replacing:
+            verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
+        on_rank0(lambda: lock.confirm() if lock is not None else None, "confirming the save directory's lock", target)
+
+        def into_place() -> None:
+            swap_into_place(staging, target)
+            if tracker is not None:
+                write_atomically(*tracker)
+
+        on_rank0(into_place, "moving the checkpoint into place", target)
+
+    if hasattr(request, "add_finalize_fn"):
+        request.add_finalize_fn(finish)
+    else:
+        finish()
+    return request
+
+
+def write_failure(error: BaseException, what: str, directory: str) -> str:
+    """One line for a failed write: a full disk or a read-only filesystem named as such,
+    with the fix (torch's writers lose the OS error in some paths: the free space decides)."""
+    code = os_error_code(error)
+    if code is None and disk_full(directory):
+        code = errno.ENOSPC
+    if code == errno.ENOSPC:
+        return (
+            f"{what} in {directory} failed: No space left on device ({_free(directory)}); the checkpoints "
+            "already saved are intact: free space there or save elsewhere (--save), then resume"
+        )
+    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return f"{what} in {directory} failed: {os.strerror(code)}: save into a writable directory (--save)"
+    return f"{what} in {directory} failed: {error}"
+
+
+def os_error_code(error: BaseException) -> Optional[int]:
+    """The ``errno`` behind ``error``: its own, its causes', or that of a failure torch's
+    distributed checkpoint collected from a rank (``CheckpointException.failures``)."""
+    seen, pending = set(), [error]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(getattr(error, "errno", None), int):
+            return error.errno
+        if "No space left on device" in str(error):
+            return errno.ENOSPC
+        pending += [error.__cause__, error.__context__]
+        for failure in getattr(error, "failures", {}).values():
+            pending.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None
+
+
+def disk_full(directory: str) -> bool:
+    """Whether the filesystem of ``directory`` (or its nearest existing parent) is full."""
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return False
+    return stat.f_bavail * stat.f_frsize < (1 << 20)
+
+
+def _free(directory: str) -> str:
+    path = os.path.abspath(directory)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{stat.f_bavail * stat.f_frsize / 2**20:.1f} MiB free"
+
+
+# ---------------------------------------------------------------------------------------
+# The swap
+# ---------------------------------------------------------------------------------------
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two directories in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``); False
+    where the system or filesystem has no such call."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def swap_into_place(staging: str, target: str) -> None:
+    """Move the complete checkpoint ``staging`` to ``target`` so that ``target`` always names a
+    complete checkpoint: a new one is renamed in; an existing one is exchanged with it in one
+    atomic step, then deleted. Where the filesystem cannot exchange, two renames (``target``
+    to ``<target>.old``, ``staging`` to ``target``); between them ``<target>.old`` is the
+    complete one (:func:`resolve_checkpoint_dir`, :func:`recover_interrupted_swap`). An empty
+    ``target`` (a directory made for the save) is replaced. One process (rank 0) calls it."""
+    target = target.rstrip("/")
+    if os.path.isdir(target) and not os.listdir(target):
+        os.rmdir(target)
+    if not os.path.exists(target):
+        os.rename(staging, target)
+    elif _exchange(staging, target):
+        shutil.rmtree(staging)
+    else:
+        old = target + PREVIOUS
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(target, old)
+        os.rename(staging, target)
+    shutil.rmtree(target + PREVIOUS, ignore_errors=True)  # also one an earlier interrupted swap left
+    _fsync_dir(os.path.dirname(os.path.abspath(target)))
+
+
+def recover_interrupted_swap(target: str) -> Optional[str]:
+    """Undo what a killed :func:`swap_into_place` left at ``target``: the previous checkpoint
+    back from ``<target>.old`` when ``target`` is missing, or ``<target>.old`` removed when
+    ``target`` is complete. Returns a line saying what was done (None: nothing)."""
+    target = target.rstrip("/")
+    old = target + PREVIOUS
+    if not has_manifest(old):
+        return None
+    if not os.path.exists(target):
+        os.rename(old, target)
+        return f"{target}: an interrupted re-save left it at {old}; moved back"
+    if has_manifest(target):
+        shutil.rmtree(old)
+        return f"{target}: removed {old}, the previous copy an interrupted re-save had replaced"
+    return None
+
+
+def resolve_checkpoint_dir(checkpoint_dir: str) -> str:
+    """The directory to read for ``checkpoint_dir``: itself when it is complete (has its
+    manifest); ``<checkpoint_dir>.old`` when a re-save was interrupted between moving the
+    previous checkpoint aside and moving the new one in (the directory is then missing, or
+    incomplete); otherwise ``checkpoint_dir`` itself, whose verification then reports what is
+    wrong. Reads only: the directory may belong to another job or be read-only."""
+    base = checkpoint_dir.rstrip("/")
+    old = base + PREVIOUS
+    if not has_manifest(base) and has_manifest(old):
+        return old
+    return checkpoint_dir

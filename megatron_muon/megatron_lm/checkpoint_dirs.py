@@ -1,0 +1,489 @@
+"""Megatron-LM's checkpoint directories, and reading and writing both of its formats.
+
+A save directory (``--save``) holds ``iter_NNNNNNN`` directories (or ``release``) and the
+tracker ``latest_checkpointed_iteration.txt`` naming the one to resume from. An iteration
+directory is ``torch_dist`` (Megatron-core's dist-checkpointing: ``metadata.json`` beside
+torch DCP's files) or ``fsdp_dtensor`` (torch DCP alone, Megatron-FSDP's). What
+megatron_muon writes there also carries its manifest and record (``checkpoint.integrity``).
+
+Every read here verifies first and unpickles through the restricted unpickler
+(``checkpoint.unpickling``); every write goes through ``checkpoint.publish`` under the
+directory's lock (``checkpoint.save_lock``). The converter's commands (``convert``,
+``convert_fsdp``), the start-up checks (``launch``) and Megatron-LM's load hooks
+(``checkpoint_guards``) build on this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_muon.checkpoint.errors import CheckpointError
+from megatron_muon.checkpoint.integrity import (
+    MANIFEST,
+    RECORD,
+    has_manifest,
+    missing_manifest_error,
+    record,
+    saved_with_manifest,
+    stored_format,
+    verify_manifest,
+    write_atomically,
+)
+from megatron_muon.checkpoint.optimizer_state import READ_ERRORS, STATE_PREFIX
+from megatron_muon.checkpoint.publish import STAGING, publish, recover_interrupted_swap
+from megatron_muon.checkpoint.unpickling import load_pickle, restricted_unpickling
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RELEASE = "release"
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+_LEFTOVER = re.compile(r"^(iter_\d{7}|release)(\.tmp|\.old|\.resave\.tmp)$")
+"""What an interrupted save or conversion of ours leaves in a save directory."""
+
+
+# ---------------------------------------------------------------------------------------
+# The layout of a save directory
+# ---------------------------------------------------------------------------------------
+
+
+def iteration_dir_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def saved_iterations(directory: str) -> List[int]:
+    """The iterations of ``directory``'s ``iter_NNNNNNN`` directories, newest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = (_ITERATION_DIR.match(name) for name in os.listdir(directory))
+    return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
+def holds_a_run(directory: Optional[str]) -> bool:
+    """Whether ``directory`` holds a training run's checkpoints (a tracker or iterations)."""
+    return bool(directory) and (os.path.isfile(os.path.join(directory, TRACKER)) or bool(saved_iterations(directory)))
+
+
+def read_tracker(directory: str) -> Optional[str]:
+    """What ``directory``'s tracker names (an iteration, or ``release``); None when it is
+    missing, empty or anything else."""
+    try:
+        with open(os.path.join(directory, TRACKER)) as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if text.isdigit() or text == RELEASE else None
+
+
+def tracker_entry(directory: str, iteration: int) -> Tuple[str, str]:
+    """``(path, text)`` of the tracker naming ``iteration`` (for ``publish(tracker=...)``)."""
+    return os.path.join(directory, TRACKER), str(iteration)
+
+
+def newest_verified(directory: str) -> Optional[int]:
+    """The newest iteration of ``directory`` whose manifest verifies (this process alone)."""
+    for iteration in saved_iterations(directory):
+        try:
+            verify_manifest(os.path.join(directory, iteration_dir_name(iteration)), local=True)
+        except CheckpointError:
+            continue
+        return iteration
+    return None
+
+
+def remove_leftovers(directory: str) -> List[str]:
+    """Undo what interrupted saves and conversions of ours left in ``directory`` (a swap's
+    ``iter_N.old`` put back or removed, a staging ``iter_N.tmp`` or re-save scratch
+    removed); one line per thing done. Only for a directory this process holds the lock of:
+    a leftover of a live job is that job's work in progress."""
+    done = []
+    if not os.path.isdir(directory):
+        return done
+    for name in sorted(os.listdir(directory)):
+        match = _LEFTOVER.match(name)
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        if match.group(2) == ".old":
+            line = recover_interrupted_swap(os.path.join(directory, match.group(1)))
+            if line:
+                done.append(line)
+        else:
+            shutil.rmtree(path)
+            done.append(f"removed {path}, left by an interrupted save")
+    return done
+
+
+def resume_iteration(directory: str) -> Tuple[Optional[int], Optional[str]]:
+    """The iteration to resume from in ``directory`` when its tracker cannot say, and the
+    line saying why: ``(None, None)`` when the tracker names an iteration that is there
+    (or nothing was saved). An empty, unreadable or missing tracker beside saved iterations,
+    or one naming a missing iteration, resumes from the newest iteration that verifies;
+    none verifying is a :class:`CheckpointError`."""
+    tracked = read_tracker(directory)
+    tracker = os.path.join(directory, TRACKER)
+    if tracked is not None:
+        name = RELEASE if tracked == RELEASE else iteration_dir_name(int(tracked))
+        if os.path.isdir(os.path.join(directory, name)):
+            return None, None
+        what = f"names {name}, which is missing"
+    elif not saved_iterations(directory):
+        return None, None
+    else:
+        what = "is missing" if not os.path.exists(tracker) else "is empty or unreadable"
+    newest = newest_verified(directory)
+    if newest is None:
+        raise CheckpointError(
+            f"{tracker} {what} and no iteration in {directory} verifies against its manifest: nothing to resume "
+            "from; check the directory, or start a new run with another --save"
+        )
+    return newest, f"{tracker} {what}: resuming from {iteration_dir_name(newest)}, the newest iteration that verifies"
+
+
+def resolve_source(src: str) -> str:
+    """The checkpoint directory ``src`` names: itself (an iteration directory), or the
+    iteration a save directory's tracker names (the newest that verifies when the tracker
+    is broken or names a missing iteration, said on stdout)."""
+    if os.path.isdir(src) and (holds_a_run(src) or os.path.exists(os.path.join(src, TRACKER))):
+        iteration, why = resume_iteration(src)
+        if why:
+            print(f"megatron_muon: {why}", flush=True)
+        if iteration is None:
+            tracked = read_tracker(src)
+            if tracked is None:
+                raise CheckpointError(f"{os.path.join(src, TRACKER)} is empty and {src} holds no iteration")
+            return os.path.join(src, RELEASE if tracked == RELEASE else iteration_dir_name(int(tracked)))
+        return os.path.join(src, iteration_dir_name(iteration))
+    if checkpoint_format(src) == "unknown":
+        raise CheckpointError(
+            f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist or fsdp_dtensor "
+            "checkpoint; give the --save directory or one iter_XXXXXXX in it"
+        )
+    return src
+
+
+# ---------------------------------------------------------------------------------------
+# One iteration directory: its format, whether it is ours, verified before any read
+# ---------------------------------------------------------------------------------------
+
+
+def checkpoint_format(path: str) -> str:
+    """``torch_dist``, ``fsdp_dtensor`` or ``unknown``: what our record says, else what the
+    files are (a DCP checkpoint that lost its ``.metadata`` is still one, by its ``.distcp``
+    files: never read as the other format)."""
+    recorded = record(path).get("format")
+    if recorded in ("torch_dist", "fsdp_dtensor"):
+        return recorded
+    found = stored_format(path)
+    if found == "unknown" and os.path.isdir(path) and any(n.endswith(".distcp") for n in os.listdir(path)):
+        return "fsdp_dtensor"
+    return found
+
+
+def is_fsdp_dtensor(path: str) -> bool:
+    return checkpoint_format(path) == "fsdp_dtensor"
+
+
+def ensure_process_group() -> None:
+    """A one-rank gloo group (Megatron's checkpoint I/O is collective), on the CPU if no GPU.
+    Its store lives in this process (no port, no ``MASTER_*`` variables set for the caller)."""
+    import torch.distributed as dist
+
+    from .cpu import install_cpu_patches
+
+    if not torch.cuda.is_available():
+        install_cpu_patches()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def read_metadata(path: str):
+    """torch DCP's metadata of ``path`` (every stored item and its global shape), read with
+    the restricted unpickler."""
+    metadata = os.path.join(path, ".metadata")
+    try:
+        with open(metadata, "rb") as f:
+            return load_pickle(f, metadata)
+    except CheckpointError:
+        raise
+    except (OSError, *READ_ERRORS) as e:
+        raise CheckpointError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint ({e})") from e
+
+
+_OUR_KEYS = (STATE_PREFIX + "momentum_buffer.", "optimizer.muon.common")
+
+
+def written_by_megatron_muon(path: str) -> bool:
+    """Whether ``path`` holds what only megatron_muon writes: Muon optimizer state (its DCP
+    metadata says), or arguments of a run under megatron_muon (``--muon-impl``, read through
+    the restricted unpickler). Such a checkpoint always carries our manifest and record, so
+    one that lost both is refused rather than read as someone else's."""
+    try:
+        keys = read_metadata(path).state_dict_metadata
+    except CheckpointError:
+        return False
+    if any(k.startswith(_OUR_KEYS) or k.endswith(".momentum_buffer") for k in keys):
+        return True
+    try:
+        args = read_common(path).get("args")
+    except CheckpointError:
+        return False
+    return hasattr(args, "muon_impl")
+
+
+COMMON_ITEMS = ("common_state", "iteration", "args", "optimizer.muon.common", "optimizer.param_to_group_meta")
+"""The stored items :func:`read_common` reads, in either format (for ``check_source(items=...)``)."""
+
+
+def check_source(path: str, unverified: bool = False, items: Optional[Sequence[str]] = None) -> bool:
+    """Verify ``path`` against its manifest before anything of it is unpickled; returns
+    whether it was verified. Refused: a checkpoint saved with a manifest that is gone, one
+    holding what only megatron_muon writes without our files, and (unless ``unverified``)
+    any other without a manifest (e.g. saved by plain Megatron-LM). ``items``: verify only
+    what reading those stored items needs (``integrity.verify_manifest``); this process alone."""
+    if has_manifest(path):
+        verify_manifest(path, local=items is not None, items=items)
+        return True
+    if saved_with_manifest(path):
+        raise missing_manifest_error(path)
+    if written_by_megatron_muon(path):
+        raise CheckpointError(
+            f"{path} was written by megatron_muon but has lost its {MANIFEST} and {RECORD}, which every checkpoint "
+            "it writes carries: it cannot be verified, so it is refused; restore it from a copy"
+        )
+    if not unverified:
+        raise CheckpointError(
+            f"{path} has no {MANIFEST} (saved without megatron_muon), so its files cannot be verified: pass "
+            "--unverified-source to convert it anyway (the result is labelled as converted from an unverified source)"
+        )
+    return False
+
+
+# ---------------------------------------------------------------------------------------
+# Reading (after check_source) and writing a whole checkpoint in memory
+# ---------------------------------------------------------------------------------------
+
+_SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
+
+
+@dataclass
+class Checkpoint:
+    """A whole checkpoint in memory, in torch_dist's terms."""
+
+    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
+    objects: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any] = field(default_factory=dict)
+    """(key, global offset, global shape) -> object (e.g. layers' ``_extra_state``)."""
+    common: Dict[str, Any] = field(default_factory=dict)
+    group_meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)
+    """Read from an fsdp_dtensor checkpoint: parameter name -> its optimizer group's settings."""
+
+
+def checkpoint_iteration(common: Dict[str, Any]) -> int:
+    """The training iteration a checkpoint was saved at (Megatron-LM's ``iteration``)."""
+    return int(common.get("iteration", common.get("extra", {}).get("iteration", 0)) or 0)
+
+
+def read_common(path: str) -> Dict[str, Any]:
+    """The common (non-tensor) state of the checkpoint ``path`` in either format, without
+    reading a tensor (fsdp_dtensor: iteration, arguments and the optimizer's common state).
+    Needs no process group (a rank reads it at start-up, before it joins its job)."""
+    if is_fsdp_dtensor(path):
+        return fsdp_common(path)
+    from megatron_muon.checkpoint.training_state import read_common as torch_dist_common
+
+    return torch_dist_common(path)
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Every tensor (full global shape), sharded object and the common state of the
+    torch_dist checkpoint ``path`` (verify it first: :func:`check_source`)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ensure_process_group()
+    metadata = read_metadata(path)
+    request: Dict[str, Any] = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            request[key] = ShardedTensor.from_rank_offsets(
+                key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0
+            )
+        elif key.startswith("common_state"):
+            continue
+        else:
+            m = _SHARD.match(key)
+            if m is None:
+                continue
+            offset = tuple(int(x) for x in m["offset"].split("."))
+            shape = tuple(int(x) for x in m["shape"].split("."))
+            request[key] = ShardedObject(m["key"], None, shape, offset, replica_id=0)
+    try:
+        with restricted_unpickling():
+            loaded = dist_checkpointing.load(request, path)
+    except CheckpointError:
+        raise
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from e
+    ckpt = Checkpoint(common=read_common(path))
+    for key, req in request.items():
+        if isinstance(req, ShardedTensor):
+            ckpt.tensors[key] = loaded[key]
+        else:
+            ckpt.objects[(req.key, req.global_offset, req.global_shape)] = loaded[key]
+    return ckpt
+
+
+def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` as a torch_dist checkpoint into the empty directory ``path`` (a
+    staging directory of :func:`publish_iteration`, which adds the manifest)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    ensure_process_group()
+    state: Dict[str, Any] = dict(ckpt.common)
+    state["__tensors__"] = {
+        key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()
+    }
+    state["__objects__"] = {
+        f"{key}/{offset}": ShardedObject(key, value, shape, offset, replica_id=0)
+        for (key, offset, shape), value in ckpt.objects.items()
+    }
+    dist_checkpointing.save(state, path)
+
+
+COMMON = "optimizer.muon.common"
+GROUP_META = "optimizer.param_to_group_meta."
+
+
+def load_dcp(path: str, wanted: Callable[[str], bool] = lambda key: True) -> Dict[str, Any]:
+    """The tensors (whole) and objects of the DCP checkpoint ``path`` whose keys are
+    ``wanted``, by DCP key (verify it first: :func:`check_source`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    state = {
+        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+        for key, md in read_metadata(path).state_dict_metadata.items()
+        if wanted(key)
+    }
+    try:
+        with restricted_unpickling():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    except CheckpointError:
+        raise
+    except READ_ERRORS as e:
+        raise CheckpointError(f"{path} could not be read as an fsdp_dtensor checkpoint: {e}") from e
+    return state
+
+
+def fsdp_common(path: str) -> Dict[str, Any]:
+    """The common state of the fsdp_dtensor checkpoint ``path`` as :func:`read_common` gives a
+    torch_dist one's: iteration, arguments, and the optimizer's (ours, or Megatron's AdamW
+    marked as such), without reading a tensor."""
+    from megatron_muon.checkpoint.fsdp_dtensor import CommonState
+
+    state = load_dcp(path, lambda key: key in ("iteration", "args", COMMON) or key.startswith(GROUP_META))
+    common = {k: v for k, v in state.items() if k in ("iteration", "args")}
+    if isinstance(state.get(COMMON), CommonState):
+        common["optimizer"] = state[COMMON].value
+    elif any(k.startswith(GROUP_META) for k in state):
+        common["optimizer"] = {"param_state_sharding_type": "fsdp_dtensor"}
+    return common
+
+
+# ---------------------------------------------------------------------------------------
+# Writing an iteration into a save directory
+# ---------------------------------------------------------------------------------------
+
+
+def check_paths(src: str, dst: str) -> None:
+    """The source is never the destination, inside it, or its parent (nor the reverse)."""
+    a, b = os.path.realpath(src), os.path.realpath(dst)
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise CheckpointError(
+            f"the destination {dst} {'is' if a == b else 'contains' if a.startswith(b + os.sep) else 'is inside'} "
+            f"the source {src}; write the converted checkpoint to a separate directory"
+        )
+
+
+def check_destination(dst: str, iteration: int, overwrite: bool) -> None:
+    """Without ``overwrite``, an existing ``dst`` may neither hold ``iteration`` already nor
+    a later one, tracked or not (its tracker would name an older iteration than it holds)."""
+    final = os.path.join(dst, iteration_dir_name(iteration))
+    if os.path.exists(final) and not overwrite:
+        raise CheckpointError(f"{final} already exists; pass --overwrite to replace it, or choose another destination")
+    tracked = read_tracker(dst) if os.path.isdir(dst) else None
+    if tracked is not None and tracked.isdigit() and int(tracked) > iteration:
+        what, newest = f"{os.path.join(dst, TRACKER)} names iteration {tracked}", int(tracked)
+    elif any(i > iteration for i in saved_iterations(dst)):  # a broken or missing tracker
+        newest = saved_iterations(dst)[0]
+        what = f"{dst} holds {iteration_dir_name(newest)}"
+    else:
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"{what}, later than the converted {iteration}: --load {dst} would no longer resume from {newest}; "
+            f"choose another destination, or pass --overwrite to point its tracker at {iteration} "
+            f"({iteration_dir_name(newest)} is kept)"
+        )
+
+
+@contextlib.contextmanager
+def owned(directory: str, purpose: str) -> Iterator[Tuple[str, Any]]:
+    """A save directory to write into under this process's lock (``save_lock.take``), what
+    interrupted writes of ours left there undone first; yields ``(where to write, lock)``.
+
+    An existing ``directory`` is written in place. A new one is built complete as
+    ``<directory>.tmp`` and renamed to ``directory`` when the block ends without error, so a
+    killed writer never leaves a partial ``directory`` (its ``.tmp`` is taken over and
+    cleared by the next writer of the same name); on an error it is removed."""
+    from megatron_muon.checkpoint.save_lock import take
+
+    directory = directory.rstrip("/")
+    where = directory if os.path.exists(directory) else directory + STAGING
+    if where != directory:
+        os.makedirs(os.path.dirname(os.path.abspath(where)), exist_ok=True)
+    lock = take(where, purpose)
+    done = False
+    try:
+        if where != directory:
+            for name in os.listdir(where):  # a killed writer's: the lock says it is gone
+                if name != os.path.basename(lock.path):
+                    path = os.path.join(where, name)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+        for line in remove_leftovers(where):
+            print(f"megatron_muon: {line}", flush=True)
+        yield where, lock
+        done = True
+    finally:
+        if where != directory and done:
+            os.rename(where, directory)
+            lock.moved_to(directory)
+        lock.release()
+        if where != directory and not done:
+            shutil.rmtree(where, ignore_errors=True)
+
+
+def publish_iteration(
+    dst: str,
+    iteration: int,
+    write: Callable[[str], Any],
+    lock: Any,
+    source_verified: bool = True,
+) -> str:
+    """Write ``dst/iter_NNNNNNN`` with ``write(staging)`` through ``checkpoint.publish``
+    (staged, manifest, verified when replacing, swapped in), then the tracker naming it.
+    ``lock``: this process's ``save_lock`` of ``dst``. Returns the iteration directory."""
+    final = os.path.join(dst, iteration_dir_name(iteration))
+    publish(final, write, tracker=tracker_entry(dst, iteration), source_verified=source_verified, lock=lock)
+    return final
+
+
+def write_tracker(directory: str, iteration: int) -> None:
+    write_atomically(*tracker_entry(directory, iteration))
