@@ -20,6 +20,16 @@ class SaveDirectoryLockedError(CheckpointError):
     """A save directory another live job writes into."""
 
 
+class RefusedUnpickling(BaseException):
+    """Carries an :class:`UnsafeCheckpointError` out of torch's and Megatron-core's checkpoint
+    readers, which swallow an ``Exception`` there (torch DCP falls back to rank-local metadata
+    on any): a refusal must end the read. :func:`checkpoint_error_in` unwraps it."""
+
+    def __init__(self, error: UnsafeCheckpointError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 def checkpoint_error_in(error: BaseException):
     """The :class:`CheckpointError` behind ``error`` (itself, a cause, or a failure that
     torch's distributed checkpoint collected from a rank and re-raised wrapped), or None."""
@@ -31,6 +41,8 @@ def checkpoint_error_in(error: BaseException):
         seen.add(id(error))
         if isinstance(error, CheckpointError):
             return error
+        if isinstance(error, RefusedUnpickling):
+            return error.error
         pending += [error.__cause__, error.__context__]
         for failure in getattr(error, "failures", {}).values():
             pending.append(failure[0] if isinstance(failure, tuple) else failure)

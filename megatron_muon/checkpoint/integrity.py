@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import sys
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -48,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
-from .errors import CheckpointIntegrityError
+from .errors import CheckpointError, CheckpointIntegrityError
 from .unpickling import load_pickle
 
 MANIFEST = INTEGRITY_FNAME
@@ -73,8 +74,11 @@ def _stored_items(checkpoint_dir: str) -> Dict[str, List[Item]]:
     path = os.path.join(checkpoint_dir, _TORCH_METADATA)
     if not os.path.isfile(path):
         return {}
-    with open(path, "rb") as f:
-        metadata = load_pickle(f, path)
+    try:
+        with open(path, "rb") as f:
+            metadata = load_pickle(f, path)
+    except (EOFError, pickle.UnpicklingError, AttributeError, ValueError):
+        return {}  # not torch's metadata: the files are hashed whole, no item named
     out: Dict[str, List[Item]] = {}
     for index, info in metadata.storage_data.items():
         offset = tuple(index.offset) if index.offset is not None else ()
@@ -411,7 +415,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     try:
         (write_manifest if args.action == "write" else verify_manifest)(args.checkpoint_dir)
-    except CheckpointIntegrityError as e:
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"{args.action}: {args.checkpoint_dir} OK")

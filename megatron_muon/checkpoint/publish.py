@@ -102,9 +102,20 @@ def publish(
 
     on_rank0(prepare, "creating the staging directory", staging)
     _barrier()
-    request = write(staging)
+    try:
+        request = write(staging)
+    except BaseException:
+        _discard(staging, target)
+        raise
 
     def finish() -> None:
+        try:
+            finish_publish()
+        except BaseException:
+            _discard(staging, target)
+            raise
+
+    def finish_publish() -> None:
         replacing = agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
         write_manifest(staging, source_verified=source_verified)  # collective; ends with a barrier
         if replacing:
@@ -123,6 +134,15 @@ def publish(
     else:
         finish()
     return request
+
+
+def _discard(staging: str, target: str) -> None:
+    """After a failed publish, on rank 0: the staging directory removed (on a full disk it
+    holds the space), and ``target`` if it is an empty directory made for this save."""
+    if _rank0():
+        shutil.rmtree(staging, ignore_errors=True)
+        if os.path.isdir(target) and not os.listdir(target):
+            os.rmdir(target)
 
 
 def write_failure(error: BaseException, what: str, directory: str) -> str:

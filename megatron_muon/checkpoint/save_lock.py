@@ -174,6 +174,26 @@ class SaveLock:
 _held: Dict[str, SaveLock] = {}
 
 
+def live_holder(directory: str) -> Optional[str]:
+    """Who holds ``directory``'s lock, while that holder may live (None: nobody, or a holder
+    that is provably gone). Reads only."""
+    path = os.path.join(os.path.abspath(directory), LOCK)
+    holder = _read(path)
+    if holder is None or holder.get("token") == getattr(held(directory), "identity", {}).get("token"):
+        return None
+    try:
+        return None if holder_gone(holder, path) else describe(holder)
+    except OSError:  # a read-only directory: the probe of its clock cannot be written
+        return describe(holder)
+
+
+def refusal(directory: str, holder: str) -> SaveDirectoryLockedError:
+    return SaveDirectoryLockedError(
+        f"{directory} is being written by {holder}: one job per save directory; wait for it to end, stop it, "
+        "or save elsewhere (--save)"
+    )
+
+
 def held(directory: str) -> Optional[SaveLock]:
     """The lock this process holds on ``directory``, if any."""
     lock = _held.get(os.path.abspath(directory))
@@ -230,10 +250,7 @@ def _take_over_if_abandoned(path: str, directory: str) -> None:
                 )
     why = holder_gone(holder, path) if holder is not None else "its lock is unreadable and old"
     if why is None:
-        raise SaveDirectoryLockedError(
-            f"{directory} is being written by {describe(holder)}: one job per save directory; wait for it to "
-            "end, stop it, or save elsewhere (--save)"
-        )
+        raise refusal(directory, describe(holder))
     aside = f"{path}.stale.{uuid.uuid4().hex}"
     try:
         os.rename(path, aside)

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, RefusedUnpickling, checkpoint_error_in
 from .integrity import verify_manifest
 from .optimizer_state import READ_ERRORS, require_ours, states_to_load, unused_state_prefixes
 from .publish import publish, resolve_checkpoint_dir
@@ -55,10 +55,10 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
     try:
         with restricted_unpickling():
             return dist_checkpointing.load_common_state_dict(checkpoint_dir)
-    except CheckpointError:
-        raise
-    except READ_ERRORS as e:  # any unreadable file is the same user error
-        raise CheckpointError(f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}") from e
+    except (RefusedUnpickling, *READ_ERRORS) as e:  # any unreadable file is the same user error
+        raise checkpoint_error_in(e) or CheckpointError(
+            f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}"
+        ) from e
 
 
 def _saved_keys(checkpoint_dir: str) -> set:
@@ -105,10 +105,8 @@ def load_checkpoint(
         # "unexpected" = requested here, absent from the checkpoint.
         with restricted_unpickling():
             loaded, unused, absent = dist_checkpointing.load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
-    except CheckpointError:
-        raise
-    except READ_ERRORS as e:
-        raise CheckpointError(
+    except (RefusedUnpickling, *READ_ERRORS) as e:
+        raise checkpoint_error_in(e) or CheckpointError(
             f"loading {checkpoint_dir} failed: {e}. If shapes differ, the model config differs from "
             "the one the checkpoint was saved with (compare with tools/convert_checkpoint.py inspect)."
         ) from e

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from .errors import UnsafeCheckpointError
+from .errors import RefusedUnpickling, UnsafeCheckpointError
 
 ALLOWED: Dict[str, Tuple[str, ...]] = {
     "torch's tensors, storages and their metadata": (
@@ -92,8 +92,12 @@ def refused(name: str, where: str) -> UnsafeCheckpointError:
 def allowed(module: str, name: str) -> Any:
     """The object ``module.name`` if a checkpoint may name it (:data:`ALLOWED`), else None.
     Only an allowed module is imported."""
+    import _compat_pickle
     import importlib
 
+    # Protocol-2 pickles (torch.save's) name Python 2's modules (__builtin__.set).
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    module = _compat_pickle.IMPORT_MAPPING.get(module, module)
     module = _RENAMED.get(module, module)
     full = f"{module}.{name}"
     if full in _NAMES:
@@ -118,8 +122,8 @@ class RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         value = allowed(module, name)
-        if value is None:
-            raise refused(f"{module}.{name}", self.where)
+        if value is None:  # a BaseException: torch's readers swallow an Exception here
+            raise RefusedUnpickling(refused(f"{module}.{name}", self.where))
         return value
 
 
@@ -133,16 +137,32 @@ def _restricted_pickle_module(where: str) -> types.ModuleType:
     return module
 
 
-def load_pickle(file, where: str) -> Any:
-    """A plain pickle (torch DCP's ``.metadata``) from the open binary ``file``."""
+def _load_pickle(file, where: str) -> Any:
     unpickler = RestrictedUnpickler(file)
     unpickler.where = where
     return unpickler.load()
 
 
-def torch_load(file, where: str) -> Any:
-    """``torch.load`` of a file name or binary stream (on the CPU), restricted."""
+def _torch_load(file, where: str) -> Any:
     return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle_module(where))
+
+
+def load_pickle(file, where: str) -> Any:
+    """A plain pickle (torch DCP's ``.metadata``) from the open binary ``file``; raises
+    :class:`UnsafeCheckpointError` naming a refused type."""
+    try:
+        return _load_pickle(file, where)
+    except RefusedUnpickling as refusal:
+        raise refusal.error from None
+
+
+def torch_load(file, where: str) -> Any:
+    """``torch.load`` of a file name or binary stream (on the CPU), restricted; raises
+    :class:`UnsafeCheckpointError` naming a refused type."""
+    try:
+        return _torch_load(file, where)
+    except RefusedUnpickling as refusal:
+        raise refusal.error from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -154,7 +174,7 @@ def _read_metadata(original):
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as file:
-            metadata = load_pickle(file, str(path))
+            metadata = _load_pickle(file, str(path))
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -169,7 +189,7 @@ def _read_metadata(original):
 def _load_bytes(original):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         where = f"the stored object {read_item.dest_index.fqn}"
-        obj = torch_load(value, where)
+        obj = _torch_load(value, where)
         if self.flatten_state_dict:
             from torch.distributed.checkpoint._traverse import set_element
 
@@ -186,7 +206,7 @@ def _load_common(original):
         import os
 
         path = os.path.join(str(checkpoint_dir), "common.pt")
-        return torch_load(path, path)
+        return _torch_load(path, path)
 
     load_common.__wrapped__ = original  # type: ignore[attr-defined]
     return load_common

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from megatron_muon.checkpoint.errors import CheckpointError
+from megatron_muon.checkpoint.errors import CheckpointError, RefusedUnpickling, checkpoint_error_in
 from megatron_muon.checkpoint.integrity import (
     MANIFEST,
     RECORD,
@@ -209,10 +209,10 @@ def read_metadata(path: str):
     try:
         with open(metadata, "rb") as f:
             return load_pickle(f, metadata)
-    except CheckpointError:
-        raise
     except (OSError, *READ_ERRORS) as e:
-        raise CheckpointError(f"{path} is not a torch_dist or fsdp_dtensor checkpoint ({e})") from e
+        raise checkpoint_error_in(e) or CheckpointError(
+            f"{path} is not a torch_dist or fsdp_dtensor checkpoint ({e})"
+        ) from e
 
 
 _OUR_KEYS = (STATE_PREFIX + "momentum_buffer.", "optimizer.muon.common")
@@ -326,10 +326,8 @@ def read_checkpoint(path: str) -> Checkpoint:
     try:
         with restricted_unpickling():
             loaded = dist_checkpointing.load(request, path)
-    except CheckpointError:
-        raise
-    except READ_ERRORS as e:
-        raise CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from e
+    except (RefusedUnpickling, *READ_ERRORS) as e:
+        raise checkpoint_error_in(e) or CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from e
     ckpt = Checkpoint(common=read_common(path))
     for key, req in request.items():
         if isinstance(req, ShardedTensor):
@@ -375,10 +373,10 @@ def load_dcp(path: str, wanted: Callable[[str], bool] = lambda key: True) -> Dic
     try:
         with restricted_unpickling():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    except CheckpointError:
-        raise
-    except READ_ERRORS as e:
-        raise CheckpointError(f"{path} could not be read as an fsdp_dtensor checkpoint: {e}") from e
+    except (RefusedUnpickling, *READ_ERRORS) as e:
+        raise checkpoint_error_in(e) or CheckpointError(
+            f"{path} could not be read as an fsdp_dtensor checkpoint: {e}"
+        ) from e
     return state
 
 

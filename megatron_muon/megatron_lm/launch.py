@@ -311,10 +311,16 @@ def _same_directory(a: Optional[str], b: Optional[str]) -> bool:
 
 
 def check_save_directory(args: argparse.Namespace) -> None:
-    """A ``--save`` that holds a run this job does not resume is refused here, nothing built
-    or touched: with ``--load`` naming no checkpoint (not given, or a typo), or naming
-    another directory, Megatron-LM would train into it and replace that run's later
-    iterations as it saves. ``--start-over`` asks for exactly that."""
+    """A ``--save`` another live job writes into (its lock says), or that holds a run this
+    job does not resume, is refused here, nothing built or touched: with ``--load`` naming no
+    checkpoint (not given, or a typo), or naming another directory, Megatron-LM would train
+    into it and replace that run's later iterations as it saves. ``--start-over`` asks for
+    exactly that (never beside a live job)."""
+    from megatron_muon.checkpoint import save_lock
+
+    holder = save_lock.live_holder(args.save) if args.save else None
+    if holder is not None:  # the first thing to know: another job writes there right now
+        raise ValueError(str(save_lock.refusal(args.save, holder)))
     if not args.save or args.start_over or not holds_a_run(args.save) or _same_directory(args.load, args.save):
         return
     if holds_a_run(args.load):
@@ -447,7 +453,7 @@ def _megatron_argv(argv: Sequence[str]):
     try:
         sys.argv = [prog] + expand_recipe(argv)
         yield
-    except (recipes.RecipeError, corpus.CorpusError, ValueError, AssertionError) as exc:
+    except (recipes.RecipeError, corpus.CorpusError, CheckpointError, ValueError, AssertionError) as exc:
         where = traceback.extract_tb(exc.__traceback__)[-1]
         bare = f"Megatron-LM's check `{where.line}` failed ({'/'.join(Path(where.filename).parts[-3:])}:{where.lineno})"
         _one_line_error(prog, str(exc) or bare)

@@ -85,3 +85,82 @@ def test_layout_change_is_lossless(request, tmp_path, model, before, after):
     final_after = M.merge_canonical_states([r["final"] for r in loaded])
     err, key = max_rel_err(final_after, final_before, "fro")
     assert err <= 1e-5, f"after resuming, {key} differs from the uninterrupted run by {err:.2e}"
+
+
+# ---------------------------------------------------------------------------------------
+# A state added to the registry is saved, resharded and converted with no other change
+# ---------------------------------------------------------------------------------------
+
+DUMMY = "dummy_statistic"
+
+
+def _register_dummy(required: bool = False) -> None:
+    """In a rank: one more per-matrix state in ``state.MUON_STATES``, kept per shard (what
+    adding a state to megatron_muon is: the registry, then the maths that writes it)."""
+    from megatron_muon import state
+
+    state.MUON_STATES = state.MUON_STATES + (state.MatrixState(DUMMY, "shard", lambda config: True, required=required),)
+
+
+def _muon_masters(opt):
+    """(master, its optimizer's state) of every Muon matrix this rank holds a range of."""
+    for inner in opt.muon_optimizers:
+        for shard in inner.shard_map:
+            if shard.master is not None and id(shard.param) in inner.muon_param_ids:
+                yield shard.master, inner.optimizer.state[shard.master]
+
+
+def _save_with_dummy(ckpt_dir):
+    from megatron_muon.checkpoint import save_checkpoint
+
+    _register_dummy()
+    spec = M.TinyModelSpec(kind="gqa")
+    chunks, model, opt, sched = build(spec)
+    train_steps(model, opt, sched, spec, M.synthetic_batches(spec, GBS, 2))
+    for master, state in _muon_masters(opt):
+        state[DUMMY].copy_(3 * master)  # "the maths": a value each layout can check
+    save_checkpoint(ckpt_dir, model, opt, extra={"iteration": 2})
+    return sum(1 for _ in _muon_masters(opt))
+
+
+def _load_with_dummy(ckpt_dir, required=False):
+    from megatron_muon.checkpoint import CheckpointError, load_checkpoint
+
+    _register_dummy(required)
+    spec = M.TinyModelSpec(kind="gqa")
+    chunks, model, opt, sched = build(spec)
+    try:
+        load_checkpoint(ckpt_dir, model, opt)
+    except CheckpointError as e:
+        return str(e)
+    return [(bool(torch.equal(state[DUMMY], 3 * master)), bool((state[DUMMY] == 0).all()))
+            for master, state in _muon_masters(opt)]  # fmt: skip
+
+
+def _convert_with_dummy(ckpt_dir, adam_dir, back_dir):
+    from megatron_muon.megatron_lm import convert
+
+    _register_dummy()
+    convert.muon_to_adam(ckpt_dir, adam_dir)
+    adam_keys = sorted(convert.read_checkpoint(convert.resolve_source(adam_dir)).tensors)
+    convert.adam_to_muon(adam_dir, back_dir)
+    return adam_keys
+
+
+@pytest.mark.timeout(600)
+def test_a_state_added_to_the_registry_is_saved_resharded_and_converted(tmp_path):
+    """A dummy per-matrix state registered in ``state.py`` alone: saved at TP2, loaded at
+    TP1 with its values; muon-to-adam drops it with the other Muon states; a Muon checkpoint
+    without it (adam-to-muon's) starts it at zero, or is refused naming it when the registry
+    says a checkpoint must hold it."""
+    ckpt, adam, back = (str(tmp_path / name) for name in ("ckpt", "adam", "back"))
+    assert all(n > 0 for n in run_distributed(_save_with_dummy, 2, ckpt, timeout_s=400, tp=2))
+    loaded = run_distributed(_load_with_dummy, 1, ckpt, timeout_s=400)[0]
+    assert loaded and all(same for same, _ in loaded), loaded
+    adam_keys = run_distributed(_convert_with_dummy, 1, ckpt, adam, back, timeout_s=400)[0]
+    assert adam_keys and not any(DUMMY in k or "momentum_buffer" in k for k in adam_keys)
+    back_iteration = str(tmp_path / "back" / "iter_0000002")
+    started = run_distributed(_load_with_dummy, 1, back_iteration, timeout_s=400)[0]
+    assert started and all(zero for _, zero in started), started
+    refused = run_distributed(_load_with_dummy, 1, back_iteration, True, timeout_s=400)[0]
+    assert isinstance(refused, str) and f"optimizer.state.{DUMMY}." in refused, refused

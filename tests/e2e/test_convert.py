@@ -541,6 +541,51 @@ def test_killed_conversion_keeps_the_last_good_checkpoint(driver_checkpoints, tm
     assert good and all(torch.isfinite(t).all() for t in good.values() if t.is_floating_point())
 
 
+@pytest.mark.timeout(300)
+def test_a_killed_converter_leaves_no_process_and_the_next_one_finishes(driver_checkpoints, tmp_path):
+    """SIGKILL of the converter's PID alone while Megatron-LM re-saves the AdamW source for it
+    (a torchrun and its rank, started by the converter): within 10 s none of its processes
+    is left. The destination never appeared; the next conversion into it clears what the
+    killed one left (its staging directory, its stale lock) and finishes."""
+    import time
+
+    from tests.helpers.jobs import job_env, tagged_processes
+
+    adam = tmp_path / "adam"  # Megatron-LM's default optimizer format: the converter has it re-saved
+    default_format = [a for a in PRETRAIN if a != "--dist-ckpt-optim-fully-reshardable"]
+    done = subprocess.run(default_format + ["--optimizer", "adam", "--train-iters", "2", "--lr-warmup-iters", "0", "--save", str(adam),
+                                            "--save-interval", "2", "--data-cache-path", str(driver_checkpoints / "cache")],
+                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    tag = f"killed-converter-{os.getpid()}"
+    dst = tmp_path / "muon"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "adam-to-muon", str(adam), str(dst)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env(MUON_TEST_JOB=tag), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while len(tagged_processes(tag)) < 3:  # the converter, torchrun, the re-saving rank
+            assert proc.poll() is None and time.time() < deadline, "the re-save never started"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 10
+        while tagged_processes(tag) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not tagged_processes(tag), "processes the killed converter started are still running"
+    finally:
+        for pid in tagged_processes(tag):
+            os.kill(pid, signal.SIGKILL)
+    assert not dst.exists()
+    done = converter(*cmd[2:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        sorted(os.listdir(tmp_path)) == ["adam", "muon"]
+        and (dst / "latest_checkpointed_iteration.txt").read_text() == "2"
+    )
+
+
 def test_a_failed_resave_leaves_nothing_and_says_why(driver_checkpoints, tmp_path):
     """An AdamW source in Megatron-LM's default format is re-saved by Megatron-LM with the
     run's own arguments (the docs' walk-through converts one). Arguments that do not fit

@@ -23,23 +23,9 @@ import pytest
 import torch
 
 from tests.helpers import REPO
+from tests.helpers.jobs import PRETRAIN, TWO_RANKS, launch, losses, run, tagged_processes
 
 ROOT = REPO
-PRETRAIN = [sys.executable, str(ROOT / "tools" / "pretrain_gpt.py")]
-TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-TWO_RANKS = [
-    TORCHRUN,
-    "--nnodes",
-    "1",
-    "--nproc-per-node",
-    "2",
-    "--rdzv-backend",
-    "c10d",
-    "--rdzv-endpoint",
-    "127.0.0.1:0",
-    str(ROOT / "tools" / "pretrain_gpt.py"),
-]
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 BUILT, DONE = "[after model, optimizer, and learning rate scheduler are built]", "[after training is done]"
 NEEDS_NO_TE = pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="TE installed")
@@ -56,28 +42,6 @@ REAL = {  # recipe: (world size that fits its layout, published total / active p
 def cache(tmp_path_factory) -> Path:
     """One data cache (built-in corpus, dataset indices) for every run of this module."""
     return tmp_path_factory.mktemp("cache")
-
-
-def launch(cmd: List[str], timeout: int = 200) -> subprocess.CompletedProcess:
-    # On the CPU everywhere (CI has no GPU; two ranks on a one-GPU machine would share it).
-    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-OFF_LAYOUT = "but DDP was built without megatron_muon.owner_aligned_param_layout()"
-
-
-def run(cmd: List[str], timeout: int = 200) -> str:
-    """stdout of a run that must succeed, with Muon on its owner-aligned DDP buffers (the default)."""
-    proc = launch(cmd, timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    assert OFF_LAYOUT not in proc.stdout + proc.stderr, "Megatron-LM built DDP without our buffer layout"
-    return proc.stdout
-
-
-def losses(stdout: str) -> Dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(stdout)}
 
 
 def validation(stdout: str) -> Dict[int, float]:
@@ -691,23 +655,13 @@ def test_a_skipped_step_leaves_the_router_expert_bias(cache, tmp_path):
     assert biases[0] and biases[1] == biases[2], biases
 
 
-def _tagged(tag: str) -> List[int]:
-    """Processes whose environment carries ``tag`` (a job and everything it started)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if tag.encode() in f.read():
-                    found.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
-def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int) -> List[int]:
-    """Start ``cmd``; once the tracker names iteration ``after`` or later, SIGKILL the launcher
-    and its ranks at a random moment (every iteration saves) and return whatever of the job
-    is still alive a moment later. The process group is killed afterwards either way."""
+def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int, kill: str) -> List[int]:
+    """Start ``cmd`` (torchrun, in a session of its own as a terminal or a scheduler starts
+    it); once the tracker names iteration ``after`` or later, SIGKILL at a random moment
+    (every iteration saves) torchrun's PID (``kill="launcher"``) or its process group
+    (``kill="group"``), as ``kill -9`` or the OOM killer does: torchrun starts each rank in a
+    session of its own, so neither reaches the ranks. Returns whatever of the job is still
+    alive 10 s later; everything of it is killed afterwards either way."""
     import random
     import signal
     import time
@@ -721,25 +675,28 @@ def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int) -> L
             assert proc.poll() is None and time.time() < deadline, proc.stderr.read()[-3000:] if proc.stderr else ""
             time.sleep(0.05)
         time.sleep(random.uniform(0.0, 0.5))
-        job = [proc.pid] + [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
-        for pid in job:  # the launcher and the ranks, as a scheduler's kill of the job's processes
-            os.kill(pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL) if kill == "group" else os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        time.sleep(3.0)
-        return _tagged(tag)
+        deadline = time.time() + 10
+        while tagged_processes(tag) and time.time() < deadline:
+            time.sleep(0.2)
+        return tagged_processes(tag)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in tagged_processes(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.timeout(600)
 def test_killed_job_leaves_no_process_and_resumes_from_its_tracker(cache, tmp_path):
-    """SIGKILL of a two-rank job (launcher and ranks) at random moments while it saves every
-    iteration, twice: none of its processes is left (checkpoint writers die with their
-    rank) and the tracker always names a complete checkpoint, which the next job resumes
-    from. With an empty tracker the next job resumes from the newest iteration that
+    """SIGKILL of a two-rank job's launcher, its PID and then its process group (neither
+    reaches the ranks, which torchrun starts in sessions of their own), at random moments
+    while it saves every iteration: within 10 s none of its processes is left (each rank
+    dies with its launcher, checkpoint writers with their rank) and the tracker always names
+    a complete checkpoint, which the next job resumes from, taking over the dead job's lock
+    on --save. With an empty tracker the next job resumes from the newest iteration that
     verifies. With a byte flipped it stops the job with one line on rank 0 (another
     vocabulary padding and a deleted manifest are refused alike: tests/dist/test_faults.py
     loads them through Megatron-LM's own load path)."""
@@ -747,14 +704,16 @@ def test_killed_job_leaves_no_process_and_resumes_from_its_tracker(cache, tmp_pa
     job = TWO_RANKS + "--recipe tiny_gqa --train-iters 60 --lr-warmup-iters 0 --eval-iters 0".split() + [
         "--data-cache-path", str(cache), "--save", str(ckpt), "--save-interval", "1"]  # fmt: skip
     tracker = ckpt / "latest_checkpointed_iteration.txt"
-    for round_, after in enumerate((2, 5)):
+    for round_, (after, kill) in enumerate(((2, "launcher"), (5, "group"))):
         left = _kill_during_saves(
-            job + (["--load", str(ckpt)] if round_ else []), tracker, f"kill-{os.getpid()}-{round_}", after
+            job + (["--load", str(ckpt)] if round_ else []), tracker, f"kill-{os.getpid()}-{round_}", after, kill
         )
-        assert not left, f"round {round_}: processes of the killed job still running: {left}"
+        assert not left, f"round {round_} (kill the {kill}): processes of the killed job still running: {left}"
         latest = int(tracker.read_text())
         assert (ckpt / f"iter_{latest:07d}" / "integrity.json").is_file()
-    resumed = run(job + ["--exit-interval", str(latest + 1), "--load", str(ckpt)], timeout=300)
+    proc = launch(job + ["--exit-interval", str(latest + 1), "--load", str(ckpt)], timeout=300)
+    resumed = proc.stdout
+    assert proc.returncode == 0 and "took over" in proc.stderr and "has ended" in proc.stderr, proc.stderr[-3000:]
     assert f"at iteration {latest}" in resumed and sorted(losses(resumed)) == [latest + 1], resumed[-2000:]
     # An empty tracker (what Megatron-LM's own write left when killed): resumes from the
     # newest iteration that verifies, and says so.

@@ -176,3 +176,95 @@ def test_expert_bias_moves_only_with_a_step_taken():
 
         _wrap_train_step(megatron_train_step, pending)()
         assert router.expert_bias.eq(expected).all(), (skipped, should_exit, router.expert_bias)
+
+
+def test_save_holding_another_run_is_refused_unless_asked(tmp_path):
+    """--load A --save B with B holding another run: B's later iterations would be replaced
+    as this job saves. The same directory under another spelling is the same run."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for run in (a, b):
+        saved(run / "iter_0000003", str(run))
+        (run / D.TRACKER).write_text("3")
+    with pytest.raises(ValueError, match=f"--save {b} holds a run but this job resumes --load {a}, another run"):
+        check_save_directory(_args(save=str(b), load=str(a)))
+    check_save_directory(_args(save=str(b), load=str(a), start_over=True))
+    check_save_directory(_args(save=str(b), load=str(tmp_path / "." / "b") + "/"))
+    check_save_directory(_args(save=str(tmp_path / "c"), load=str(a)))
+
+
+def test_a_tracker_naming_a_missing_iteration_resumes_from_the_newest_that_verifies(tmp_path, capsys):
+    saved(tmp_path / "iter_0000002", "two")
+    saved(tmp_path / "iter_0000004", "four")
+    (tmp_path / D.TRACKER).write_text("6")  # iter_0000006 was deleted, or never moved in
+    assert G.choose_iteration(str(tmp_path), owned=False, choose=True) == 4
+    assert "names iter_0000006, which is missing: resuming from iter_0000004" in capsys.readouterr().out
+    (tmp_path / D.TRACKER).write_text("4")
+    assert G.choose_iteration(str(tmp_path), owned=False, choose=True) is None
+    assert D.resolve_source(str(tmp_path)) == str(tmp_path / "iter_0000004")
+
+
+def test_a_directory_this_job_does_not_own_is_only_read(tmp_path):
+    """A leftover in --load that is not this job's --save may be another job's work in
+    progress (or the directory read-only): it is neither removed nor renamed."""
+    saved(tmp_path / "iter_0000002", "two")
+    (tmp_path / D.TRACKER).write_text("2")
+    staging = saved(tmp_path / "iter_0000004.tmp", "being written by another job")
+    previous = saved(tmp_path / "iter_0000003.old", "three")
+    before = files(tmp_path)
+    assert G.choose_iteration(str(tmp_path), owned=False, choose=True) is None
+    assert files(tmp_path) == before and staging.exists() and previous.exists()
+
+
+def test_the_manifest_lists_the_whole_directory(tmp_path):
+    """A file added after the save, a manifest emptied or rewritten to list nothing, and a
+    missing file are refused; with ``items`` the data files are checked at those items only."""
+    import json
+
+    ckpt = saved(tmp_path / "ckpt", "x")
+    (ckpt / "extra.pt").write_text("added later")
+    with pytest.raises(CheckpointIntegrityError, match="extra.pt: not in the manifest"):
+        verify_manifest(str(ckpt))
+    (ckpt / "extra.pt").unlink()
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    for emptied in ({**manifest, "files": {}, "sizes": {}}, {}, {"files": []}):
+        (ckpt / MANIFEST).write_text(json.dumps(emptied))
+        with pytest.raises(CheckpointIntegrityError, match="lists no files|is not a manifest"):
+            verify_manifest(str(ckpt))
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    verify_manifest(str(ckpt), items=("common_state",))
+    (ckpt / RECORD).unlink()
+    with pytest.raises(CheckpointIntegrityError, match=f"{RECORD}: missing"):
+        verify_manifest(str(ckpt), items=("common_state",))
+
+
+def test_the_converter_never_moves_a_tracker_behind_an_iteration_it_holds(tmp_path):
+    """A destination whose tracker is empty or missing but which holds a later iteration:
+    the converted, older one would become the one --load resumes from."""
+    saved(tmp_path / "iter_0000006", "six")
+    for tracker in ("", None):
+        if tracker is None:
+            (tmp_path / D.TRACKER).unlink()
+        else:
+            (tmp_path / D.TRACKER).write_text(tracker)
+        with pytest.raises(CheckpointError, match="holds iter_0000006, later than the converted 4"):
+            D.check_destination(str(tmp_path), 4, overwrite=False)
+        D.check_destination(str(tmp_path), 4, overwrite=True)
+        D.check_destination(str(tmp_path), 7, overwrite=False)
+
+
+def test_the_format_is_read_from_the_record_then_the_files(tmp_path):
+    """An fsdp_dtensor checkpoint that lost its ``.metadata`` is still one (its record says
+    so; without a record, its ``.distcp`` files), never read as torch_dist."""
+    fsdp = tmp_path / "fsdp"
+    fsdp.mkdir()
+    (fsdp / ".metadata").write_bytes(b"")
+    (fsdp / "__0_0.distcp").write_text("x")
+    write_manifest(str(fsdp))
+    (fsdp / ".metadata").unlink()
+    assert D.checkpoint_format(str(fsdp)) == "fsdp_dtensor" and D.is_fsdp_dtensor(str(fsdp))
+    (fsdp / RECORD).unlink()
+    assert D.checkpoint_format(str(fsdp)) == "fsdp_dtensor"
+    torch_dist = tmp_path / "torch_dist"
+    torch_dist.mkdir()
+    (torch_dist / "metadata.json").write_text("{}")
+    assert D.checkpoint_format(str(torch_dist)) == "torch_dist" and D.checkpoint_format(str(tmp_path)) == "unknown"

@@ -1,10 +1,13 @@
-"""Imports point one way: harness -> glue -> core.
+"""Imports point one way: harness -> glue -> core, and no module of the package imports
+itself back.
 
-* The core (``megatron_muon/*.py``: the optimizer) never imports the Megatron-LM glue
-  (``megatron_muon.megatron_lm``), the development harness (``megatron_muon.testing``),
-  ``tools`` or Megatron-LM's training code (``megatron.training``).
+* The core (``megatron_muon/*.py``: the optimizer, ``checkpoint/``) never imports the
+  Megatron-LM glue (``megatron_muon.megatron_lm``), the development harness
+  (``megatron_muon.testing``), ``tools`` or Megatron-LM's training code (``megatron.training``).
 * The glue never imports the harness.
 * The harness may import both.
+* No cycle among the package's modules, lazy imports (inside functions) and a package's
+  lazily exported names (``_EXPORTS``) included.
 
 Every import counts, relative or absolute, at module level or inside a function. Read from
 the source with ``ast``: nothing is imported or run.
@@ -78,6 +81,65 @@ def offending_imports(root: Path = PACKAGE) -> list:
             if any(_within(module, f) for f in forbidden)
         ]
     return offenders
+
+
+def import_graph(root: Path = PACKAGE) -> dict:
+    """module -> the package's modules it imports (any import; a package's ``_EXPORTS``
+    count as imports of the modules they name)."""
+    modules = {_module_name(p, root.parent): p for p in root.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        edges = set()
+        for _, module in imported_modules(path, root.parent):
+            while module and module not in modules:
+                module = module.rpartition(".")[0]
+            if module and module != name and module != root.name:
+                edges.add(module)
+        if path.name == "__init__.py":
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "_EXPORTS" for t in node.targets):
+                    edges |= {f"{name}.{v.value}" for v in node.value.values}
+        graph[name] = edges
+    return graph
+
+
+def import_cycles(graph: dict) -> list:
+    """Every cycle a depth-first walk of ``graph`` meets, as ``a -> b -> a``."""
+    state, path, cycles = {}, [], []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        path.append(module)
+        for other in sorted(graph.get(module, ())):
+            if state.get(other) == "open":
+                cycles.append(" -> ".join(path[path.index(other) :] + [other]))
+            elif other not in state:
+                visit(other)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return cycles
+
+
+def test_no_module_imports_itself_back():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_cycle_check_sees_lazy_imports(tmp_path):
+    pkg = tmp_path / "megatron_muon"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text('_EXPORTS = {"f": "b"}\n')
+    (pkg / "a.py").write_text("def f():\n    from .sub import f\n")
+    (pkg / "sub" / "b.py").write_text("from ..c import g\n")
+    (pkg / "c.py").write_text("import megatron_muon.a\n")
+    assert import_cycles(import_graph(pkg)) == [
+        "megatron_muon.a -> megatron_muon.sub -> megatron_muon.sub.b -> megatron_muon.c -> megatron_muon.a"
+    ]
 
 
 def test_imports_point_from_harness_to_glue_to_core():
