@@ -27,10 +27,14 @@ import shutil
 from typing import Any, Callable, Optional, Tuple
 
 import torch.distributed as dist
+import torch.distributed.checkpoint.api
 
 from .errors import CheckpointError
 from .integrity import has_manifest, verify_manifest, write_atomically, write_manifest
 
+WRITE_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
+"""A write that failed (and says why): its staging directory is removed. An interruption
+(KeyboardInterrupt, a kill) leaves it to the next publish of the same target."""
 STAGING = ".tmp"
 """Suffix of the directory a checkpoint is written into before it is swapped into place."""
 PREVIOUS = ".old"
@@ -104,14 +108,14 @@ def publish(
     _barrier()
     try:
         request = write(staging)
-    except BaseException:
+    except WRITE_ERRORS:
         _discard(staging, target)
         raise
 
     def finish() -> None:
         try:
             finish_publish()
-        except BaseException:
+        except WRITE_ERRORS:
             _discard(staging, target)
             raise
 

@@ -143,6 +143,11 @@ def adam_to_muon(
         raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
     if optimizer_kind(opt_common) != "megatron":
         raise CheckpointError(f"{source} holds no Megatron distributed-optimizer state (saved with --no-save-optim?)")
+    if "param_state_sharding_type" not in opt_common:
+        raise CheckpointError(
+            f"{source} holds Megatron's chained dense and expert optimizers (expert parallelism): converting those "
+            "to Muon is not supported yet; load its weights alone with --optimizer muon --no-load-optim"
+        )
     with owned(dst, "tools/convert_checkpoint.py adam-to-muon") as (into, lock):
         check_destination(into, iteration, overwrite)
         if fsdp:  # Megatron-FSDP's format is parameter by parameter already
@@ -164,8 +169,7 @@ def adam_to_muon(
         for key in model_keys(ckpt):
             if not is_muon_key(key, exclude, router):
                 continue
-            exp_avg = ckpt.tensors.pop(_state_key("exp_avg", key))
-            ckpt.tensors.pop(_state_key("exp_avg_sq", key))
+            exp_avg, _ = (ckpt.tensors.pop(_state_key(name, key)) for name in ADAM_STATES)
             ckpt.tensors[_state_key(MOMENTUM, key)] = (
                 exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
             )

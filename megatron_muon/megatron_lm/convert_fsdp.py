@@ -295,7 +295,7 @@ def write_fsdp_dtensor(path: str, ckpt: Checkpoint) -> None:
     import torch.distributed.checkpoint as dcp
 
     optimizer = ckpt.common.get("optimizer", {})
-    adam = "param_state_sharding_type" in optimizer  # Megatron's AdamW (muon-to-adam)
+    adam = optimizer_kind(optimizer) == "megatron"  # Megatron's AdamW (muon-to-adam)
     if optimizer_kind(optimizer) != "megatron_muon" and not adam:
         raise CheckpointError("only a Muon checkpoint of megatron_muon moves to Megatron-FSDP (adam-to-muon first)")
     args = ckpt.common.get("args")

@@ -318,7 +318,8 @@ def check_save_directory(args: argparse.Namespace) -> None:
     exactly that (never beside a live job)."""
     from megatron_muon.checkpoint import save_lock
 
-    holder = save_lock.live_holder(args.save) if args.save else None
+    first_rank = os.environ.get("RANK", "0") == "0"  # the others find the lock their own first rank took
+    holder = save_lock.live_holder(args.save) if args.save and first_rank else None
     if holder is not None:  # the first thing to know: another job writes there right now
         raise ValueError(str(save_lock.refusal(args.save, holder)))
     if not args.save or args.start_over or not holds_a_run(args.save) or _same_directory(args.load, args.save):

@@ -64,7 +64,7 @@ def test_a_second_job_on_one_save_directory_is_refused(cache, tmp_path):
     job = PRETRAIN + TINY + ["--data-cache-path", str(cache), "--save", str(save)]
     first, second = (
         subprocess.Popen(
-            job + ["--train-iters", "24", "--exit-interval", "8"],
+            job + ["--train-iters", "60", "--exit-interval", "12"],
             cwd=REPO,
             env=job_env(),
             stdout=subprocess.PIPE,
@@ -79,21 +79,21 @@ def test_a_second_job_on_one_save_directory_is_refused(cache, tmp_path):
     assert codes == [0, 2] and len(refused) == 1, [err[-2000:] for _, err in outcomes]
     said = [line for line in refused[0].splitlines() if "error:" in line]
     assert len(said) == 1 and f"{save} is being written by" in said[0] and "one job per save directory" in said[0]
-    assert verified_run(save) == 8
+    assert verified_run(save) == 12
 
     # A restart while the first job still runs (as a scheduler's retry of a job it thinks dead).
-    running = subprocess.Popen(job + ["--train-iters", "24", "--load", str(save)], cwd=REPO, env=job_env(),
+    running = subprocess.Popen(job + ["--train-iters", "60", "--load", str(save)], cwd=REPO, env=job_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     tracker = save / "latest_checkpointed_iteration.txt"
     deadline = time.time() + 200
-    while int(tracker.read_text()) < 10:
+    while int(tracker.read_text()) < 14:
         assert running.poll() is None and time.time() < deadline, running.communicate()[1][-3000:]
         time.sleep(0.1)
-    restart = launch(job + ["--train-iters", "24", "--load", str(save)], timeout=200)
+    restart = launch(job + ["--train-iters", "60", "--load", str(save)], timeout=200)
     assert f"is being written by tools/pretrain_gpt.py --save {save} (pid {running.pid}" in one_line(restart)
     stdout, stderr = running.communicate(timeout=400)
     assert running.returncode == 0, stderr[-3000:]
-    assert sorted(losses(stdout)) == list(range(9, 25)) and verified_run(save) == 24
+    assert sorted(losses(stdout)) == list(range(13, 61)) and verified_run(save) == 60
     assert not (save / LOCK).exists()  # released at the end of the job
 
 

@@ -292,6 +292,8 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
     On a CPU-only machine the compute device is the CPU as well: what counts as
     "device" is every such tensor that is not in the offload pool, i.e. exactly what
     would be on the accelerator on a GPU machine."""
+    from megatron_muon.state import MOMENTUM
+
     muon = getattr(opt, "muon_optimizers", None)
     if muon is None:
         return None
@@ -304,7 +306,7 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
         else:  # on the device only the shared one-element placeholder, no master values
             out["offloaded"] += o.masters_offload.pool_bytes
         states = o.muon.shard_states
-        momentum = [states.state[m].get("momentum_buffer") for m in states.masters if m is not None]
+        momentum = [states.state[m].get(MOMENTUM) for m in states.masters if m is not None]
         momentum_bytes = sum(t.numel() * t.element_size() for t in momentum if t is not None)
         moments = [t for values in o.muon.owner_states.values.values() for t in values.values()]
         moment_bytes = sum(t.numel() * t.element_size() for t in moments)
@@ -314,7 +316,7 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
             out["device_idle"] += momentum_bytes + moment_bytes
             out["device_step_peak"] += momentum_bytes + moment_bytes
         else:
-            views = [v for v in states.views["momentum_buffer"] if v is not None]
+            views = [v for v in states.views[MOMENTUM] if v is not None]
             in_pool = all(t.data_ptr() == v.data_ptr() for t, v in zip(momentum, views))
             out["device_idle"] += states.device_bytes + (0 if in_pool else momentum_bytes)
             out["device_step_peak"] += states.peak_device_bytes
