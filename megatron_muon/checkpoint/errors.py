@@ -3,6 +3,8 @@ that names the cause and the fix."""
 
 from __future__ import annotations
 
+from typing import Iterator, Optional
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (or written), with the reason and the fix."""
@@ -30,20 +32,26 @@ class RefusedUnpickling(BaseException):
         self.error = error
 
 
-def checkpoint_error_in(error: BaseException):
-    """The :class:`CheckpointError` behind ``error`` (itself, a cause, or a failure that
-    torch's distributed checkpoint collected from a rank and re-raised wrapped), or None."""
+def errors_behind(error: BaseException) -> Iterator[BaseException]:
+    """``error``, its causes and contexts, and the failures torch's distributed checkpoint
+    collected from ranks and re-raised wrapped (``CheckpointException.failures``)."""
     seen, pending = set(), [error]
     while pending:
         error = pending.pop()
         if error is None or id(error) in seen:
             continue
         seen.add(id(error))
-        if isinstance(error, CheckpointError):
-            return error
-        if isinstance(error, RefusedUnpickling):
-            return error.error
+        yield error
         pending += [error.__cause__, error.__context__]
         for failure in getattr(error, "failures", {}).values():
             pending.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def checkpoint_error_in(error: BaseException) -> Optional[CheckpointError]:
+    """The :class:`CheckpointError` behind ``error`` (:func:`errors_behind`), or None."""
+    for behind in errors_behind(error):
+        if isinstance(behind, CheckpointError):
+            return behind
+        if isinstance(behind, RefusedUnpickling):
+            return behind.error
     return None

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch.distributed as dist
 import torch.distributed.checkpoint.api
 
-from .errors import CheckpointError
+from .errors import CheckpointError, errors_behind
 from .integrity import has_manifest, verify_manifest, write_atomically, write_manifest
 
 WRITE_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
@@ -166,45 +166,37 @@ def write_failure(error: BaseException, what: str, directory: str) -> str:
 
 
 def os_error_code(error: BaseException) -> Optional[int]:
-    """The ``errno`` behind ``error``: its own, its causes', or that of a failure torch's
-    distributed checkpoint collected from a rank (``CheckpointException.failures``)."""
-    seen, pending = set(), [error]
-    while pending:
-        error = pending.pop()
-        if error is None or id(error) in seen:
-            continue
-        seen.add(id(error))
-        if isinstance(getattr(error, "errno", None), int):
-            return error.errno
-        if "No space left on device" in str(error):
+    """The ``errno`` behind ``error`` (``errors.errors_behind``; torch's writers lose it on
+    some paths, keeping only the message)."""
+    for behind in errors_behind(error):
+        if isinstance(getattr(behind, "errno", None), int):
+            return behind.errno
+        if "No space left on device" in str(behind):
             return errno.ENOSPC
-        pending += [error.__cause__, error.__context__]
-        for failure in getattr(error, "failures", {}).values():
-            pending.append(failure[0] if isinstance(failure, tuple) else failure)
     return None
 
 
-def disk_full(directory: str) -> bool:
-    """Whether the filesystem of ``directory`` (or its nearest existing parent) is full."""
+def _free_bytes(directory: str) -> Optional[int]:
+    """Free bytes on the filesystem of ``directory`` (or its nearest existing parent)."""
     path = os.path.abspath(directory)
     while not os.path.exists(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     try:
         stat = os.statvfs(path)
     except OSError:
-        return False
-    return stat.f_bavail * stat.f_frsize < (1 << 20)
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def disk_full(directory: str) -> bool:
+    """Whether the filesystem of ``directory`` has less than a MiB free."""
+    free = _free_bytes(directory)
+    return free is not None and free < (1 << 20)
 
 
 def _free(directory: str) -> str:
-    path = os.path.abspath(directory)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        stat = os.statvfs(path)
-    except OSError:
-        return "free space unknown"
-    return f"{stat.f_bavail * stat.f_frsize / 2**20:.1f} MiB free"
+    free = _free_bytes(directory)
+    return "free space unknown" if free is None else f"{free / 2**20:.1f} MiB free"
 
 
 # ---------------------------------------------------------------------------------------

@@ -34,7 +34,6 @@ from megatron_muon.checkpoint.integrity import (
     saved_with_manifest,
     stored_format,
     verify_manifest,
-    write_atomically,
 )
 from megatron_muon.checkpoint.optimizer_state import READ_ERRORS, STATE_PREFIX
 from megatron_muon.checkpoint.publish import STAGING, publish, recover_interrupted_swap
@@ -481,7 +480,3 @@ def publish_iteration(
     final = os.path.join(dst, iteration_dir_name(iteration))
     publish(final, write, tracker=tracker_entry(dst, iteration), source_verified=source_verified, lock=lock)
     return final
-
-
-def write_tracker(directory: str, iteration: int) -> None:
-    write_atomically(*tracker_entry(directory, iteration))

@@ -174,28 +174,32 @@ def test_payloads_never_run_from_the_main_job(attacks, tmp_path):
 @pytest.mark.timeout(900)
 def test_payloads_never_run_from_the_converter(attacks, tmp_path):
     """Every converter command on each payload it reads, and ``integrity write`` (which reads
-    ``.metadata`` to name the tensors): refused in one line naming the type."""
-    cases = [
-        (["adam-to-muon"], "metadata"),
-        (["muon-to-adam"], "metadata"),
-        (["to-fsdp-dtensor"], "metadata"),
-        (["muon-to-adam"], "common_state"),
-        (["to-torch-dist"], "fsdp_iteration"),
-    ]
-    for command, name in cases:
+    ``.metadata`` to name the tensors): refused in one line naming the type. Two run as
+    ``tools/convert_checkpoint.py`` processes; the others refuse before they start a process
+    group, so they run the same command line in this process."""
+    for command, name in ((["muon-to-adam"], "metadata"), (["to-torch-dist"], "fsdp_iteration")):
         proc = launch(CONVERT + command + [str(attacks[name]), str(tmp_path / f"{command[0]}_{name}")])
         refused_in_one_line(proc, SYSTEM)
         assert not (tmp_path / f"{command[0]}_{name}").exists()
-    refused_in_one_line(launch(CONVERT + ["inspect", str(attacks["metadata"])]), SYSTEM)
-    for name in ("common_pt", "common_state"):  # inspect reads them without a process group: in this process
-        code, err = in_process("inspect", str(attacks[name]))
-        assert code == 2 and SYSTEM in err and len(err.strip().splitlines()) == 1, err
     experts = tmp_path / "experts.pt"
     import torch
 
     torch.save({"model": {"decoder.layers.0.mlp.experts.weight1": Payload(str(attacks["marker"]))}}, experts)
-    proc = launch(CONVERT + ["experts", str(experts), str(tmp_path / "out.pt"), "--to", "sequential"])
-    refused_in_one_line(proc, SYSTEM)
+    cases = [
+        ("adam-to-muon", "metadata"),
+        ("to-fsdp-dtensor", "metadata"),
+        ("muon-to-adam", "common_state"),
+        ("inspect", "metadata"),
+        ("inspect", "common_pt"),
+        ("inspect", "common_state"),
+    ]
+    for command, name in cases:
+        out = [] if command == "inspect" else [str(tmp_path / f"{command}_{name}")]
+        code, err = in_process(command, str(attacks[name]), *out)
+        assert code == 2 and SYSTEM in err and len(err.strip().splitlines()) == 1, (command, name, err)
+        assert not out or not os.path.exists(out[0])
+    code, err = in_process("experts", str(experts), str(tmp_path / "out.pt"), "--to", "sequential")
+    assert code == 2 and SYSTEM in err and len(err.strip().splitlines()) == 1, err
     integrity = [PRETRAIN[0], "-m", "megatron_muon.checkpoint.integrity", "write"]
     refused_in_one_line(launch(integrity + [str(attacks["metadata"] / "iter_0000002")]), SYSTEM)
     assert not attacks["marker"].exists()
