@@ -59,8 +59,9 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     megatron_muon_group(parser).add_argument(
         "--start-over",
         action="store_true",
-        help="Start a new run in a --save directory that holds one although --load names no checkpoint "
-        "(refused otherwise: the new run would replace that run's iterations as it saves).",
+        help="Write into a --save directory that holds a run this job does not resume (--load names no "
+        "checkpoint, or another run's directory); refused otherwise: this run replaces that run's later "
+        "iterations as it saves. Never beside a live job (the directory's lock refuses that).",
     )
     parser.error = functools.partial(_one_line_error, parser.prog)  # not Megatron-LM's 3,000-line usage
     if not cpu.use_cuda():

@@ -159,6 +159,7 @@ def _load_and_convert(ckpt_dir, adam_dir, back_dir):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_state_added_to_the_registry_is_saved_resharded_and_converted(tmp_path):
     """A dummy per-matrix state registered in ``state.py`` alone: saved at TP2, loaded at
