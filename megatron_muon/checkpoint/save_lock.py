@@ -64,8 +64,9 @@ def process_start(pid: int) -> Optional[str]:
     return fields[19] if len(fields) > 19 else None
 
 
-def holder_identity(purpose: str) -> Dict[str, object]:
-    """What a lock records of this process."""
+def holder_identity(purpose: str, command: Optional[str] = None) -> Dict[str, object]:
+    """What a lock records of this process (``command``: as the user typed it; default
+    this process's arguments)."""
     return {
         "host": socket.gethostname(),
         "boot_id": _boot_id(),
@@ -73,7 +74,7 @@ def holder_identity(purpose: str) -> Dict[str, object]:
         "start": process_start(os.getpid()),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
         "purpose": purpose,
-        "command": " ".join(sys.argv)[:500],
+        "command": (command or " ".join(sys.argv))[:500],
         "token": uuid.uuid4().hex,
     }
 
@@ -200,7 +201,7 @@ def held(directory: str) -> Optional[SaveLock]:
     return lock if lock is not None and lock.held() else None
 
 
-def take(directory: str, purpose: str) -> SaveLock:
+def take(directory: str, purpose: str, command: Optional[str] = None) -> SaveLock:
     """The lock of ``directory`` (created if missing) for this process: a new one, this
     process's own again, or a dead holder's taken over (said on stderr). Raises
     :class:`SaveDirectoryLockedError` naming a live holder, :class:`CheckpointError` when
@@ -211,7 +212,7 @@ def take(directory: str, purpose: str) -> SaveLock:
     try:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK)
-        identity = holder_identity(purpose)
+        identity = holder_identity(purpose, command)
         for _ in range(20):
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)

@@ -13,6 +13,7 @@ import functools
 import io
 import math
 import os
+import shlex
 import sys
 import traceback
 import warnings
@@ -230,7 +231,7 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
         check_checkpoint_to_load(args)
         check_checkpoint_format(args)
         check_optimizer_to_load(args)
-        take_save_directory(args)
+        take_save_directory(args, shlex.join([os.path.basename(sys.argv[0]), *argv]))
     return args
 
 
@@ -336,16 +337,17 @@ def check_save_directory(args: argparse.Namespace) -> None:
     )
 
 
-def take_save_directory(args: argparse.Namespace) -> None:
+def take_save_directory(args: argparse.Namespace, command: str) -> None:
     """On the first rank, before anything is built: this job's lock on ``--save``
-    (``checkpoint.save_lock``): a directory another live job writes into is refused in one
-    line naming that job, an unwritable one here rather than at the first save."""
+    (``checkpoint.save_lock``, naming ``command`` as the user typed it): a directory another
+    live job writes into is refused in one line naming that job, an unwritable one here
+    rather than at the first save."""
     if not args.save or os.environ.get("RANK", "0") != "0":
         return
     from megatron_muon.checkpoint.save_lock import take
 
     try:
-        take(args.save, f"tools/pretrain_gpt.py --save {args.save}")
+        take(args.save, f"tools/pretrain_gpt.py --save {args.save}", command)
     except CheckpointError as e:
         raise ValueError(str(e)) from e
 
