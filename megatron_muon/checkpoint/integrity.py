@@ -41,7 +41,6 @@ import contextlib
 import hashlib
 import json
 import os
-import pickle
 import sys
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -49,8 +48,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
-from .errors import CheckpointError, CheckpointIntegrityError
-from .unpickling import load_pickle
+from .errors import CheckpointError, CheckpointIntegrityError, UnsafeCheckpointError
+from .unpickling import read_dcp_metadata
 
 MANIFEST = INTEGRITY_FNAME
 """File name of the manifest inside a checkpoint directory (Megatron-core's)."""
@@ -71,13 +70,13 @@ Item = Tuple[int, int, str]  # (offset, length, name)
 def _stored_items(checkpoint_dir: str) -> Dict[str, List[Item]]:
     """File name -> the byte ranges of the tensors / objects torch's ``.metadata`` places
     in it (empty when the directory has no torch_dist metadata)."""
-    path = os.path.join(checkpoint_dir, _TORCH_METADATA)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(checkpoint_dir, _TORCH_METADATA)):
         return {}
     try:
-        with open(path, "rb") as f:
-            metadata = load_pickle(f, path)
-    except (EOFError, pickle.UnpicklingError, AttributeError, ValueError):
+        metadata = read_dcp_metadata(checkpoint_dir)
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError:
         return {}  # not torch's metadata: the files are hashed whole, no item named
     out: Dict[str, List[Item]] = {}
     for index, info in metadata.storage_data.items():
@@ -187,7 +186,7 @@ def write_manifest(
         record = {"manifest": MANIFEST, "source_verified": source_verified, "format": stored_format(checkpoint_dir)}
         write_atomically(os.path.join(checkpoint_dir, RECORD), json.dumps(record))
     sizes = _checkpoint_files(checkpoint_dir) if rank == 0 else None
-    sizes = _broadcast(sizes, group, world)
+    sizes = agreed(sizes, group)
     items = _stored_items(checkpoint_dir)
     digests = {}
     for name in _my_share(sizes, rank, world):
@@ -208,7 +207,10 @@ def write_manifest(
         dist.barrier(group=group)
 
 
-def _broadcast(value, group: Optional[dist.ProcessGroup], world: int):
+def agreed(value, group: Optional[dist.ProcessGroup] = None):
+    """The first rank's ``value`` (of ``group``, default all) on every rank: what a rank sees
+    of the filesystem decides which collectives follow, so every rank must decide alike."""
+    _, world = _group_info(group)
     if world == 1:
         return value
     box = [value]

@@ -37,6 +37,7 @@ from .. import state as registry
 from ..pipeline import gather_matrices, scatter_matrices
 from ..state import MASTER, checkpoint_states, muon_states, required_in_checkpoint
 from .errors import CheckpointError
+from .unpickling import read_dcp_metadata
 
 FORMAT = "megatron_muon/1"
 """The ``format`` of our optimizer's common state, in every checkpoint format."""
@@ -247,6 +248,12 @@ def states_to_load(
             "the flags it was trained with, or load the weights alone (--no-load-optim)"
         )
     return out
+
+
+def saved_keys(checkpoint_dir: str) -> set:
+    """Every key the checkpoint ``checkpoint_dir`` stores (its DCP metadata, read restricted),
+    for :func:`states_to_load`."""
+    return set(read_dcp_metadata(checkpoint_dir).state_dict_metadata)
 
 
 def unused_state_prefixes(config) -> Tuple[str, ...]:

@@ -20,17 +20,18 @@ a full disk is named as such (:func:`write_failure`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
 import shutil
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Tuple
 
 import torch.distributed as dist
 import torch.distributed.checkpoint.api
 
 from .errors import CheckpointError, errors_behind
-from .integrity import has_manifest, verify_manifest, write_atomically, write_manifest
+from .integrity import agreed, has_manifest, verify_manifest, write_atomically, write_manifest
 
 WRITE_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
 """A write that failed (and says why): its staging directory is removed. An interruption
@@ -47,16 +48,6 @@ def _rank0() -> bool:
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def agreed(value):
-    """Rank 0's ``value`` on every rank: what a rank sees of the filesystem decides which
-    collectives follow, so every rank must decide alike."""
-    if _world() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def on_rank0(action: Callable[[], Any], what: str, directory: str) -> Any:
@@ -106,20 +97,11 @@ def publish(
 
     on_rank0(prepare, "creating the staging directory", staging)
     _barrier()
-    try:
+    with _discarded_on_failure(staging, target):
         request = write(staging)
-    except WRITE_ERRORS:
-        _discard(staging, target)
-        raise
 
+    @_discarded_on_failure(staging, target)
     def finish() -> None:
-        try:
-            finish_publish()
-        except WRITE_ERRORS:
-            _discard(staging, target)
-            raise
-
-    def finish_publish() -> None:
         replacing = agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
         write_manifest(staging, source_verified=source_verified)  # collective; ends with a barrier
         if replacing:
@@ -140,13 +122,19 @@ def publish(
     return request
 
 
-def _discard(staging: str, target: str) -> None:
-    """After a failed publish, on rank 0: the staging directory removed (on a full disk it
-    holds the space), and ``target`` if it is an empty directory made for this save."""
-    if _rank0():
-        shutil.rmtree(staging, ignore_errors=True)
-        if os.path.isdir(target) and not os.listdir(target):
-            os.rmdir(target)
+@contextlib.contextmanager
+def _discarded_on_failure(staging: str, target: str) -> Iterator[None]:
+    """When the block fails (:data:`WRITE_ERRORS`), on rank 0: the staging directory removed
+    (on a full disk it holds the space), and ``target`` if it is an empty directory made for
+    this save; the failure goes on."""
+    try:
+        yield
+    except WRITE_ERRORS:
+        if _rank0():
+            shutil.rmtree(staging, ignore_errors=True)
+            if os.path.isdir(target) and not os.listdir(target):
+                os.rmdir(target)
+        raise
 
 
 def write_failure(error: BaseException, what: str, directory: str) -> str:

@@ -17,7 +17,7 @@ import torch
 
 from .errors import CheckpointError, RefusedUnpickling, checkpoint_error_in
 from .integrity import verify_manifest
-from .optimizer_state import READ_ERRORS, require_ours, states_to_load, unused_state_prefixes
+from .optimizer_state import READ_ERRORS, require_ours, saved_keys, states_to_load, unused_state_prefixes
 from .publish import publish, resolve_checkpoint_dir
 from .unpickling import restricted_unpickling
 
@@ -61,13 +61,6 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
         ) from e
 
 
-def _saved_keys(checkpoint_dir: str) -> set:
-    from megatron.core import dist_checkpointing
-
-    with restricted_unpickling():
-        return set(dist_checkpointing.load_tensors_metadata(checkpoint_dir))
-
-
 def load_checkpoint(
     checkpoint_dir: str, model: List[torch.nn.Module], optimizer, load_optimizer: bool = True
 ) -> Dict[str, Any]:
@@ -95,7 +88,7 @@ def load_checkpoint(
     state: Dict[str, Any] = {"model": model_sd, "extra": {}}
     if load_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
-        saved = _saved_keys(checkpoint_dir)
+        saved = saved_keys(checkpoint_dir)
         param_state = state["optimizer"]["param_state"]
         wanted = {name: {s: t.key for s, t in entry.items()} for name, entry in param_state.items()}
         for name, kept in states_to_load(wanted, saved, checkpoint_dir).items():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import io
+import os
 import pickle
 import threading
 import types
@@ -27,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-from .errors import RefusedUnpickling, UnsafeCheckpointError
+from .errors import CheckpointError, RefusedUnpickling, UnsafeCheckpointError
 
 ALLOWED: Dict[str, Tuple[str, ...]] = {
     "torch's tensors, storages and their metadata": (
@@ -165,9 +166,34 @@ def torch_load(file, where: str) -> Any:
         raise refusal.error from None
 
 
+def read_dcp_metadata(checkpoint_dir: str):
+    """torch DCP's ``.metadata`` of ``checkpoint_dir`` (every stored item, its global shape
+    and where it lies), read through :class:`RestrictedUnpickler`; an unreadable one is a
+    :class:`CheckpointError` (a refused type, an :class:`UnsafeCheckpointError`)."""
+    path = os.path.join(checkpoint_dir, ".metadata")
+    try:
+        with open(path, "rb") as f:
+            return load_pickle(f, path)
+    except CheckpointError:
+        raise
+    except Exception as e:  # a missing, truncated or foreign file: the same user error
+        raise CheckpointError(f"{checkpoint_dir} is not a torch_dist or fsdp_dtensor checkpoint ({e})") from e
+
+
 # ---------------------------------------------------------------------------------------
 # torch's and Megatron-core's checkpoint readers, restricted
 # ---------------------------------------------------------------------------------------
+
+
+_RESTRICTED = "__megatron_muon_restricted__"
+"""Marks a reader replaced here (``__wrapped__`` alone would not: any ``functools.wraps``
+decorator of torch's sets it, and the patch would then be skipped)."""
+
+
+def _restricted(replacement, original):
+    replacement.__wrapped__ = original
+    setattr(replacement, _RESTRICTED, True)
+    return replacement
 
 
 def _read_metadata(original):
@@ -182,8 +208,7 @@ def _read_metadata(original):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    read_metadata.__wrapped__ = original  # type: ignore[attr-defined]
-    return read_metadata
+    return _restricted(read_metadata, original)
 
 
 def _load_bytes(original):
@@ -197,19 +222,15 @@ def _load_bytes(original):
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
-    load_bytes.__wrapped__ = original  # type: ignore[attr-defined]
-    return load_bytes
+    return _restricted(load_bytes, original)
 
 
 def _load_common(original):
     def load_common(checkpoint_dir):
-        import os
-
         path = os.path.join(str(checkpoint_dir), "common.pt")
         return _torch_load(path, path)
 
-    load_common.__wrapped__ = original  # type: ignore[attr-defined]
-    return load_common
+    return _restricted(load_common, original)
 
 
 def unpickling_patches() -> List[Tuple[Any, str, Any, Any]]:
@@ -229,7 +250,7 @@ def unpickling_patches() -> List[Tuple[Any, str, Any, Any]]:
         (serialization, "load_common", _load_common),
     ):
         original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        if not hasattr(original, "__wrapped__"):
+        if not getattr(original, _RESTRICTED, False):
             out.append((owner, name, original, wrap(original)))
     return out
 

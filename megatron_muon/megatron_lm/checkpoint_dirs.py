@@ -37,7 +37,7 @@ from megatron_muon.checkpoint.integrity import (
 )
 from megatron_muon.checkpoint.optimizer_state import READ_ERRORS, STATE_PREFIX
 from megatron_muon.checkpoint.publish import STAGING, publish, recover_interrupted_swap
-from megatron_muon.checkpoint.unpickling import load_pickle, restricted_unpickling
+from megatron_muon.checkpoint.unpickling import read_dcp_metadata, restricted_unpickling
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -61,6 +61,11 @@ def saved_iterations(directory: str) -> List[int]:
         return []
     found = (_ITERATION_DIR.match(name) for name in os.listdir(directory))
     return sorted((int(m.group(1)) for m in found if m), reverse=True)
+
+
+def same_directory(a: Optional[str], b: Optional[str]) -> bool:
+    """Whether ``a`` and ``b`` (either may be unset) name one directory, however spelled."""
+    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
 def holds_a_run(directory: Optional[str]) -> bool:
@@ -201,19 +206,6 @@ def ensure_process_group() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def read_metadata(path: str):
-    """torch DCP's metadata of ``path`` (every stored item and its global shape), read with
-    the restricted unpickler."""
-    metadata = os.path.join(path, ".metadata")
-    try:
-        with open(metadata, "rb") as f:
-            return load_pickle(f, metadata)
-    except (OSError, *READ_ERRORS) as e:
-        raise checkpoint_error_in(e) or CheckpointError(
-            f"{path} is not a torch_dist or fsdp_dtensor checkpoint ({e})"
-        ) from e
-
-
 _OUR_KEYS = (STATE_PREFIX + "momentum_buffer.", "optimizer.muon.common")
 
 
@@ -223,7 +215,7 @@ def written_by_megatron_muon(path: str) -> bool:
     the restricted unpickler). Such a checkpoint always carries our manifest and record, so
     one that lost both is refused rather than read as someone else's."""
     try:
-        keys = read_metadata(path).state_dict_metadata
+        keys = read_dcp_metadata(path).state_dict_metadata
     except CheckpointError:
         return False
     if any(k.startswith(_OUR_KEYS) or k.endswith(".momentum_buffer") for k in keys):
@@ -306,7 +298,7 @@ def read_checkpoint(path: str) -> Checkpoint:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ensure_process_group()
-    metadata = read_metadata(path)
+    metadata = read_dcp_metadata(path)
     request: Dict[str, Any] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
@@ -366,7 +358,7 @@ def load_dcp(path: str, wanted: Callable[[str], bool] = lambda key: True) -> Dic
 
     state = {
         key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-        for key, md in read_metadata(path).state_dict_metadata.items()
+        for key, md in read_dcp_metadata(path).state_dict_metadata.items()
         if wanted(key)
     }
     try:

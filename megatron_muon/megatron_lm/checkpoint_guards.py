@@ -40,7 +40,7 @@ from megatron_muon.checkpoint.integrity import (
     verify_manifest,
     write_atomically,
 )
-from megatron_muon.checkpoint.optimizer_state import optimizer_kind, states_to_load
+from megatron_muon.checkpoint.optimizer_state import optimizer_kind, saved_keys, states_to_load
 from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
 from megatron_muon.checkpoint.unpickling import unpickling_patches
 
@@ -51,6 +51,7 @@ from .checkpoint_dirs import (
     read_tracker,
     remove_leftovers,
     resume_iteration,
+    same_directory,
     written_by_megatron_muon,
 )
 
@@ -62,10 +63,6 @@ def _rank0() -> bool:
 def _say(line: str) -> None:
     if _rank0():
         print(f"megatron_muon: {line}", flush=True)
-
-
-def _same(a: Optional[str], b: Optional[str]) -> bool:
-    return a is not None and b is not None and os.path.realpath(a) == os.path.realpath(b)
 
 
 class CheckpointGuards:
@@ -119,17 +116,17 @@ def guarded_save(guards: CheckpointGuards, checkpoint_dir: str, write: Callable[
     the tracker. A save of the directory this job last saved or loaded, with no step since,
     keeps it as it is."""
     target = str(checkpoint_dir).rstrip("/")
-    if _same(target, guards.current) and agreed(has_manifest(target)):
+    if same_directory(target, guards.current) and agreed(has_manifest(target)):
         _say(f"{target} already holds this iteration (saved or loaded by this job, no step since): kept as it is")
         return None
     directory = os.path.dirname(target)
-
-    def lock_directory() -> None:  # taken at start-up by tools/pretrain_gpt.py; else here, once
-        if save_lock.held(directory) is None:
-            save_lock.take(directory, "Megatron-LM's save_checkpoint")
-
-    on_rank0(lock_directory, "locking the save directory", directory)
-    request = publish(target, write, lock=save_lock.held(directory) if _rank0() else None)
+    held = {}  # rank 0's lock (taken at start-up by tools/pretrain_gpt.py; else here, once)
+    on_rank0(
+        lambda: held.update(lock=save_lock.take(directory, "Megatron-LM's save_checkpoint")),
+        "locking the save directory",
+        directory,
+    )
+    request = publish(target, write, lock=held.get("lock"))
 
     def saved() -> None:
         guards.current = target
@@ -252,7 +249,7 @@ def _wrap_load_checkpoint(original: Callable, guards: CheckpointGuards) -> Calla
         directory = getattr(args, load_arg, None)
         if not directory or not dist.is_initialized():
             return _one_error(original)(ddp_model, optimizer, opt_param_scheduler, load_arg, *a, **kw)
-        owned = _same(directory, args.save) and save_lock.held(args.save) is not None if _rank0() else False
+        owned = same_directory(directory, args.save) and save_lock.held(args.save) is not None if _rank0() else False
         chosen = on_rank0(
             lambda: choose_iteration(directory, owned, choose=args.ckpt_step is None), "reading", directory
         )
@@ -412,19 +409,13 @@ def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) ->
     return get_checkpoint_format
 
 
-def _saved_keys(checkpoint_dir: str) -> set:
-    from .checkpoint_dirs import read_metadata
-
-    return set(read_metadata(checkpoint_dir).state_dict_metadata)
-
-
 def check_holds_state(state_dict: dict, checkpoint_dir: str) -> dict:
     """``state_dict`` (what a load asks the fsdp_dtensor checkpoint for) without the optional
     optimizer states the checkpoint lacks (``optimizer_state.states_to_load``: they start at
     zero, as on torch_dist); refuses, naming them, a checkpoint that lacks a weight or a
     required state (Megatron-LM's strict DCP load would fail on it without saying what to
     do; a partial one would leave it as initialized)."""
-    saved = _saved_keys(checkpoint_dir)
+    saved = saved_keys(checkpoint_dir)
     missing = sorted(f"model.{key}" for key in state_dict.get("model", {}) if f"model.{key}" not in saved)
     if missing:
         raise CheckpointError(
@@ -454,7 +445,7 @@ def keep_saved_states(sharded_state_dict: dict, checkpoint_dir: str) -> None:
         return  # Megatron's own optimizer, or no optimizer loaded
     param_state = optimizer["param_state"]
     wanted = {name: {s: t.key for s, t in entry.items()} for name, entry in param_state.items()}
-    for name, kept in states_to_load(wanted, _saved_keys(checkpoint_dir), checkpoint_dir).items():
+    for name, kept in states_to_load(wanted, saved_keys(checkpoint_dir), checkpoint_dir).items():
         param_state[name] = {s: t for s, t in param_state[name].items() if s in kept}
 
 

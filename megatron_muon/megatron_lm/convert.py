@@ -51,7 +51,7 @@ from megatron_muon import state as registry
 from megatron_muon.checkpoint.errors import CheckpointError
 from megatron_muon.checkpoint.optimizer_state import STATE_PREFIX, common_state, optimizer_kind, require_ours
 from megatron_muon.checkpoint.optimizer_state import state_key as _state_key
-from megatron_muon.checkpoint.unpickling import torch_load
+from megatron_muon.checkpoint.unpickling import read_dcp_metadata, torch_load
 from megatron_muon.matrices import is_muon_matrix
 from megatron_muon.state import ADAM_STATES, MASTER, MOMENTUM
 
@@ -67,7 +67,6 @@ from .checkpoint_dirs import (
     publish_iteration,
     read_checkpoint,
     read_common,
-    read_metadata,
     resolve_source,
     write_checkpoint,
 )
@@ -287,7 +286,7 @@ def inspect(path: str) -> str:
 
     path = resolve_source(path)
     verified = check_source(path, unverified=True)
-    metadata = read_metadata(path)
+    metadata = read_dcp_metadata(path)
     fsdp = is_fsdp_dtensor(path)
     common = read_common(path)
     opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}

@@ -33,6 +33,7 @@ from .checkpoint_dirs import (
     iteration_dir_name,
     read_common,
     read_tracker,
+    same_directory,
 )
 from .integration import megatron_muon_group, use_megatron_muon
 
@@ -116,7 +117,7 @@ def without_muon_only_settings(recipe: dict, rest: Sequence[str]) -> dict:
     impl = _given(rest, "--muon-impl") or "megatron_muon"
     if not recipe.get(keys.get("qk-clip")) or (optimizer in ("muon", "dist_muon") and impl == "megatron_muon"):
         return recipe
-    if os.environ.get("RANK", "0") == "0":
+    if _first_rank():
         print(
             f"megatron_muon: the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer {optimizer}"
             + (f" --muon-impl {impl}" if optimizer == "muon" else ""),
@@ -308,8 +309,9 @@ def check_checkpoint_to_load(args: argparse.Namespace) -> None:
     )
 
 
-def _same_directory(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a) and bool(b) and os.path.realpath(a) == os.path.realpath(b)
+def _first_rank() -> bool:
+    """Whether this process is the job's first rank (a launcher sets ``RANK``; none: one process)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def check_save_directory(args: argparse.Namespace) -> None:
@@ -320,11 +322,11 @@ def check_save_directory(args: argparse.Namespace) -> None:
     exactly that (never beside a live job)."""
     from megatron_muon.checkpoint import save_lock
 
-    first_rank = os.environ.get("RANK", "0") == "0"  # the others find the lock their own first rank took
-    holder = save_lock.live_holder(args.save) if args.save and first_rank else None
+    # On the first rank only: the others would find the lock their own first rank took.
+    holder = save_lock.live_holder(args.save) if args.save and _first_rank() else None
     if holder is not None:  # the first thing to know: another job writes there right now
         raise ValueError(str(save_lock.refusal(args.save, holder)))
-    if not args.save or args.start_over or not holds_a_run(args.save) or _same_directory(args.load, args.save):
+    if not args.save or args.start_over or not holds_a_run(args.save) or same_directory(args.load, args.save):
         return
     if holds_a_run(args.load):
         given = f"this job resumes --load {args.load}, another run"
@@ -342,7 +344,7 @@ def take_save_directory(args: argparse.Namespace, command: str) -> None:
     (``checkpoint.save_lock``, naming ``command`` as the user typed it): a directory another
     live job writes into is refused in one line naming that job, an unwritable one here
     rather than at the first save."""
-    if not args.save or os.environ.get("RANK", "0") != "0":
+    if not args.save or not _first_rank():
         return
     from megatron_muon.checkpoint.save_lock import take
 
@@ -505,7 +507,7 @@ def checkpoint_errors_as_one_line():
         fix = ""
         if isinstance(exc, CheckpointIntegrityError) and "is corrupt" in str(exc):
             fix = "; restore the files from a copy, or resume from an earlier iteration with --ckpt-step"
-        if os.environ.get("RANK", "0") == "0":
+        if _first_rank():
             print(f"pretrain_gpt.py: error: {exc}{fix}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
