@@ -11,27 +11,19 @@ with identical settings, flagged ``muon=True`` / ``False``.
 
 from __future__ import annotations
 
-import logging
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Type
 
 import torch
 from megatron.core.optimizer import _get_param_groups, get_standard_config_overrides
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from .buffer_layout import is_owner_aligned
 from .config import MuonConfig
 from .matrices import collect_muon_params
-from .megatron_fsdp import (
-    carry_parameter_attributes,
-    check_megatron_fsdp,
-    check_single_rank_groups,
-    dp_groups,
-    is_megatron_fsdp,
-)
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
 from .process_groups import parallel_groups
 from .qk_clip import QKClip
+from .storage import StorageBackend, storage_for
 
 
 def _check_precision(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
@@ -48,43 +40,13 @@ def _check_precision(model_chunks: List[torch.nn.Module], config: MuonConfig) ->
             )
 
 
-def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
+def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig) -> Type[StorageBackend]:
+    """Refuse what the optimizer cannot run (naming the fix); the chunks' storage backend."""
     if not model_chunks:
         raise ValueError("get_muon_optimizer: model_chunks is empty.")
     _check_precision(model_chunks, config)
-    fsdp = [is_megatron_fsdp(chunk) for chunk in model_chunks]
-    if any(fsdp) and not all(fsdp):
-        raise ValueError("get_muon_optimizer: wrap every model chunk in Megatron-FSDP or none.")
-    if all(fsdp):
-        check_megatron_fsdp(model_chunks[0].ddp_config)
-        check_single_rank_groups(model_chunks)
-        if config.muon_cpu_offload or config.optimizer_cpu_offload:
-            raise NotImplementedError(
-                "get_muon_optimizer: CPU offload (muon_cpu_offload / optimizer_cpu_offload) is not supported on "
-                "Megatron-FSDP; Megatron-FSDP already shards the masters, gradients and parameters over DP."
-            )
-    for i, chunk in enumerate(model_chunks):
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if fsdp[i]:
-            continue
-        if ddp_config is None or not hasattr(chunk, "buffers"):
-            raise TypeError(
-                f"get_muon_optimizer: model chunk {i} ({type(chunk).__name__}) is not wrapped in "
-                "megatron.core.distributed.DistributedDataParallel. Wrap every chunk with "
-                "DistributedDataParallel(config, DistributedDataParallelConfig("
-                "use_distributed_optimizer=True), module=chunk) first."
-            )
-        if not ddp_config.use_distributed_optimizer:
-            raise ValueError(
-                f"get_muon_optimizer: model chunk {i} was wrapped with "
-                "DistributedDataParallelConfig(use_distributed_optimizer=False); the Muon optimizer "
-                "shards its state like Megatron's distributed optimizer and needs "
-                "use_distributed_optimizer=True (Megatron-LM: --use-distributed-optimizer)."
-            )
-        if ddp_config.num_distributed_optimizer_instances != 1:
-            raise NotImplementedError(
-                "get_muon_optimizer: num_distributed_optimizer_instances > 1 is not supported yet."
-            )
+    storage = storage_for(model_chunks)
+    storage.check(model_chunks, config)
     if config.use_precision_aware_optimizer:
         raise NotImplementedError("get_muon_optimizer: use_precision_aware_optimizer is not supported.")
     if config.reuse_grad_buf_for_mxfp8_param_ag:
@@ -92,27 +54,7 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
             "get_muon_optimizer: reuse_grad_buf_for_mxfp8_param_ag (MXFP8 parameter all-gather through "
             "the grad buffer) is not supported; leave it off (--reuse-grad-buf-for-mxfp8-param-ag)."
         )
-
-
-logger = logging.getLogger(__name__)
-
-
-def _owner_aligned(config: MuonConfig, model_chunks: List[torch.nn.Module]) -> bool:
-    """Whether the DDP buffers are owner-aligned (built with ``owner_aligned_param_layout``).
-
-    'owner_aligned' asked but DDP built without the layout: the step is still exact on
-    Megatron's byte-level layout, only with DP traffic, so warn (naming the fix) rather than fail."""
-    if is_megatron_fsdp(model_chunks[0]):
-        return False  # Megatron-FSDP chooses its own layout (docs/design.md)
-    aligned = is_owner_aligned(model_chunks)
-    if config.muon_buffer_layout == "owner_aligned" and not aligned:
-        logger.warning(
-            "get_muon_optimizer: muon_buffer_layout='owner_aligned' but DDP was built without "
-            "megatron_muon.owner_aligned_param_layout(); running on Megatron's byte-level layout (Muon "
-            "pieces then travel over DP). Pass DistributedDataParallel(..., full_param_layout="
-            "owner_aligned_param_layout(config, chunk, ddp_config)) or set muon_buffer_layout='megatron'."
-        )
-    return aligned
+    return storage
 
 
 def _grad_scaler(config: MuonConfig):
@@ -162,15 +104,8 @@ def get_muon_optimizer(
     """
     if not isinstance(config, MuonConfig):
         raise TypeError("get_muon_optimizer expects a megatron_muon.MuonConfig (it extends OptimizerConfig).")
-    _check_model_chunks(model_chunks, config)
-    fsdp_groups = {}
-    if is_megatron_fsdp(model_chunks[0]):
-        fsdp_groups = dp_groups(model_chunks)
-        for chunk in model_chunks:
-            # The optimizer holds the DTensor parameters Megatron-FSDP registers; modules hold
-            # them outside forward/backward, but the raw ones after a parameter all-gather.
-            chunk.module._replace_param_with_distributed_if_needed()
-        carry_parameter_attributes(model_chunks)
+    storage = _check_model_chunks(model_chunks, config)
+    engine_dp_groups = storage.prepare(model_chunks)
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
 
@@ -182,7 +117,7 @@ def get_muon_optimizer(
     def tp_size_of(param: torch.nn.Parameter) -> int:
         return (parallel.expt_tp if not getattr(param, "allreduce", True) else parallel.tp).size()
 
-    owner_aligned = _owner_aligned(config, model_chunks)
+    owner_aligned = storage.owner_aligned(config, model_chunks)
     muon_params, _ = collect_muon_params(model_chunks, config, tp_size_of)
     muon_ids = {id(mp.param) for mp in muon_params}
     all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)
@@ -202,8 +137,7 @@ def get_muon_optimizer(
             dp_group, dp_gloo = groups["intra_dp_cp_group"], groups["intra_dp_cp_group_gloo"]
             mp_rank = groups["mp_group"].rank()
             ortho_tp = parallel.tp
-        # Megatron-FSDP shards each parameter over its own group (the same ranks).
-        dp_group = fsdp_groups.get(expert, dp_group)
+        dp_group = engine_dp_groups.get(expert, dp_group)  # the same ranks
         params = {id(p) for g in param_groups for p in g["params"]}
         opt = MuonDistributedOptimizer(
             MuonAdamW(param_groups, config),
@@ -219,6 +153,7 @@ def get_muon_optimizer(
             name="expert" if expert else "dense",
             qk_clip=None if expert else QKClip.from_model(model_chunks, groups["dp_cp_group"], groups["mp_group"]),
             owner_aligned=owner_aligned,
+            storage=storage,
         )
         # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
         opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]

@@ -7,15 +7,17 @@ data-parallel ranks, the copy of the reduce-scattered gradients into the masters
 scaling, the global grad norm and clipping, the master -> model copy and the parameter
 all-gather. :class:`MuonDistributedOptimizer` subclasses it (one for dense, one for
 expert-parallel parameters) and :class:`MuonChainedOptimizer` subclasses Megatron's
-``ChainedOptimizer``, keeping its ``step()``; the update itself is
-:meth:`MuonChainedOptimizer.step_with_ready_grads`:
+``ChainedOptimizer``, keeping its ``step()``. Where the masters, gradients and parameters
+live is the data-parallel engine's: each optimizer holds a storage backend
+(``storage/``) and asks it for the copies, the parameter sync and the checkpoint format.
+The update itself is :meth:`MuonChainedOptimizer.step_with_ready_grads`:
 
 1. every Muon chunk of both optimizers through ``pipeline.drive`` (momentum, gather,
    Newton–Schulz, scatter, decay and update; the expert chunks while the first dense
    gathers travel);
 2. AdamW on the scalar parameters (embeddings, output layer, norms, biases, the router);
 3. QK-Clip on the fp32 masters;
-4. Megatron's master -> model copy and parameter all-gather.
+4. the backend's master -> model copy and parameter sync.
 
 Before it, ``prepare_grads`` checks for inf/NaN in every precision (``non_finite.py``): a
 step with a non-finite gradient is skipped on every rank, and too many in a row raise.
@@ -23,10 +25,9 @@ step with a non-finite gradient is skipped on every rank, and too many in a row 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -35,15 +36,15 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from .config import MuonConfig, update_scale
 from .matrices import MuonParam, unwrap
-from .megatron_fsdp import local_flat
 from .newton_schulz import resolve_coefficients
 from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
 from .pipeline import MuonStep, chunk_update, drive
 from .planner import Plan, plan_for_config, plan_statistics, rank_messages
 from .process_groups import build_ortho_group, subgroup
 from .qk_clip import QKClip
-from .shard_map import ShardMap
 from .state import OffloadedMasters, OwnerStates, ShardStates, init_adam_states, muon_states
+from .storage import StorageBackend, storage_for
+from .timers import megatron_timer
 
 logger = logging.getLogger(__name__)
 
@@ -80,20 +81,6 @@ class MuonAdamW(torch.optim.AdamW):
         return [g for g in self.param_groups if g.get("muon", False)]
 
 
-@contextlib.contextmanager
-def megatron_timer(config, name: str) -> Iterator[None]:
-    """Megatron's optimizer timer of that name (Megatron-LM logs it), when timers are set."""
-    timers = config.timers
-    if timers is None:
-        yield
-        return
-    timers(name, log_level=1).start(barrier=config.barrier_with_L1_time)
-    try:
-        yield
-    finally:
-        timers(name).stop()
-
-
 def init_state(opt: MuonAdamW, config=None) -> None:
     """Megatron's ``init_state_fn``: AdamW's state allocated (``state.init_adam_states``)."""
     init_adam_states(opt)
@@ -119,6 +106,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         name: str = "dense",
         qk_clip: Optional[QKClip] = None,
         owner_aligned: bool = False,
+        storage: Optional[Type[StorageBackend]] = None,
     ) -> None:
         self.name = name
         self.qk_clip = qk_clip
@@ -138,26 +126,20 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         )
         self.muon_params = list(muon_params)
         self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
-        self.megatron_fsdp = bool(self.ddp_config.use_megatron_fsdp)
-        """Megatron-FSDP keeps the masters and gradients (Megatron's optimizer returns early)."""
-        if self.megatron_fsdp:
-            self.buffers, self.data_parallel_group = [], data_parallel_group
-            self.shard_map = ShardMap.from_megatron_fsdp(model_chunks, [mp.param for mp in self.muon_params])
-            self._step_muon_masters()
-        else:
-            self.shard_map = ShardMap.from_distributed_optimizer(self)
-        """Who holds which range of every parameter, and this rank's fp32 masters."""
-        self.plan = self._plan(tp_group, owner_aligned)
         self.masters_offload: Optional[OffloadedMasters] = None
         """The fp32 masters of the Muon matrices in a CPU pool (``muon_cpu_offload`` with
         Megatron's ``optimizer_cpu_offload``)."""
+        self.storage: StorageBackend = (storage or storage_for(model_chunks))(self, data_parallel_group)
+        """Where the masters, gradients and parameters live (the data-parallel engine's)."""
+        self.shard_map = self.storage.shard_map
+        """Who holds which range of every parameter, and this rank's fp32 masters."""
+        self.plan = self._plan(tp_group, owner_aligned)
         self.muon = self._muon_step()
 
     # ------------------------------------------------------------------ construction
     def _plan(self, tp_group: dist.ProcessGroup, owner_aligned: bool) -> Plan:
         """The ownership plan, identical on every rank of the orthogonalization group."""
-        dp_group = self.buffers[0].data_parallel_group if self.buffers else self.data_parallel_group
-        group = build_ortho_group(tp_group, dp_group)
+        group = build_ortho_group(tp_group, self.storage.data_parallel_group)
         for mp in self.muon_params:
             if mp.param not in self.shard_map:
                 raise ValueError(
@@ -176,29 +158,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 )
         return plan
 
-    def _step_muon_masters(self) -> None:
-        """Megatron-FSDP: the Muon groups hold this rank's flat master shards instead of the
-        ``DTensor`` parameters (as Megatron's optimizer holds its shard masters), carrying
-        the attributes Megatron's grad norm reads (TP duplicates, shared weights)."""
-        from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
-        from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
-
-        self.muon_group_of: Dict[int, dict] = {}
-        """id(DTensor parameter) -> its Muon group (its master may be absent here: an empty shard)."""
-        for group in self.optimizer.muon_groups:
-            masters = []
-            for param in group["params"]:
-                self.muon_group_of[id(param)] = group
-                master = self.shard_map.master(param)
-                if master is None:
-                    continue
-                copy_tensor_model_parallel_attributes(master, param)
-                for attr in ("shared", "allreduce", GRAD_NORM_GROUP_ATTR):
-                    if hasattr(param, attr):
-                        setattr(master, attr, getattr(param, attr))
-                masters.append(master)
-            group["params"] = masters
-
     def _muon_step(self) -> MuonStep:
         """Everything the Muon step reads: this rank's messages of the plan, masters, state."""
         cfg: MuonConfig = self.config
@@ -209,7 +168,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             self.plan, [s.start for s in shards], [m.numel() if m is not None else None for m in masters]
         )
         if cfg.optimizer_cpu_offload:
-            self.masters_offload = OffloadedMasters(self.float16_muon_masters(), device)
+            self.masters_offload = OffloadedMasters(self.storage.float16_masters(), device)
         me = self.plan.group.rank
         return MuonStep(
             group=self.plan.group,
@@ -246,18 +205,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             },
         )
 
-    def float16_muon_masters(self) -> List[torch.Tensor]:
-        """This rank's fp32 masters of the bf16/fp16 Muon params (an fp32 param's master is
-        a view of the param itself, so it has none of its own)."""
-        if self.megatron_fsdp:
-            # Its DTensor parameters are the fp32 main weights; the model's dtype is the module
-            # parameter's (``orig_param``).
-            float16 = (mp.param for mp in self.muon_params if mp.param.orig_param.dtype != torch.float32)
-            return [m for m in map(self.shard_map.master, float16) if m is not None]
-        float16 = {id(m) for group in self.shard_fp32_from_float16_groups for m in group}
-        masters = (self.shard_map.master(mp.param) for mp in self.muon_params)
-        return [m for m in masters if m is not None and id(m) in float16]
-
     def plan_statistics(self) -> Dict[str, object]:
         return plan_statistics(self.plan)
 
@@ -272,46 +219,18 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         stub = getattr(self, "is_stub_optimizer", False)  # holds no params, still votes
         with megatron_timer(self.config, "optimizer-copy-to-main-grad"):
             if not stub:
-                self._copy_model_grads_to_main_grads()
+                self.storage.copy_grads_to_masters()
         with megatron_timer(self.config, "optimizer-unscale-and-check-inf"):
             inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
-            grads = [] if stub else self._collect_main_grad_data_for_unscaling()
+            grads = [] if stub else self.storage.master_grads()
             return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
 
-    def _copy_model_grads_to_main_grads(self) -> None:
-        """Megatron's copy of the reduce-scattered grads into the masters' ``.grad``; the
-        CPU-offloaded masters take them through their device placeholder. Megatron-FSDP
-        has set each ``DTensor`` parameter's ``.grad`` to its gradient shard: a flat view
-        of it becomes the master's."""
-        if self.megatron_fsdp:
-            for shard in self.shard_map:
-                if shard.master is not None:
-                    grad = shard.param.grad
-                    shard.master.grad = local_flat(grad) if grad is not None else torch.zeros_like(shard.master)
-            return
-        offload = self.masters_offload
-        with offload.grads_assignable() if offload is not None else contextlib.nullcontext():
-            super()._copy_model_grads_to_main_grads()
-
-    def _collect_main_grad_data_for_unscaling(self) -> List[torch.Tensor]:
-        if not self.megatron_fsdp:
-            return super()._collect_main_grad_data_for_unscaling()
-        params = (p for g in self.optimizer.param_groups for p in g["params"])
-        return [local_flat(p.grad) for p in params if p.grad is not None]
-
     def _copy_main_params_to_model_params(self) -> None:
-        """Megatron's master -> model copy; with Megatron-FSDP one copy covers the dense and
-        the expert parameters of a chunk, so the dense optimizer makes it."""
-        if self.megatron_fsdp and self.name != "dense":
-            return
-        super()._copy_main_params_to_model_params()
+        self.storage.copy_masters_to_model()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
-        if self.megatron_fsdp:
-            for shard in self.shard_map:
-                if shard.master is not None:
-                    shard.master.grad = None
+        self.storage.release_master_grads()
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -340,12 +259,14 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
 
     # ------------------------------------------------------------------ the update
-    def muon_chunks(self) -> List[Iterator[None]]:
+    def muon_chunks(self, measure_updates: bool = False) -> List[Iterator[None]]:
         """This step's Muon chunks, each a generator for ``pipeline.drive`` (the state of
-        the step is started here; :meth:`end_muon_step` ends it)."""
+        the step is started here; :meth:`end_muon_step` ends it); ``measure_updates``: sum
+        the squares of the updates (the update RMS)."""
         lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
         per_param = [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
         self.muon.shard_states.begin()
+        self.muon.measure_updates = measure_updates
         self.muon.update_square_sum, self.muon.update_numel = None, 0
         kept: dict = {}
         return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
@@ -364,37 +285,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             )
         update([self], overlap_expert=False)
         return True
-
-    def start_param_sync(self) -> None:
-        """Megatron's parameter all-gather after the update: synchronous here, unless DDP
-        overlaps it with the next forward (``overlap_param_gather``)."""
-        if self.megatron_fsdp:
-            # Megatron-FSDP gathers (or, overlapping, prepares to gather) every parameter
-            # group of a chunk, dense and expert: once, from the dense optimizer.
-            if self.name == "dense":
-                with megatron_timer(self.config, "params-all-gather"):
-                    for chunk in self.model_chunks:
-                        chunk.start_param_sync()
-            return
-        if self.ddp_config.overlap_param_gather:
-            return
-        with megatron_timer(self.config, "params-all-gather"):
-            self.start_param_sync_for_bucket_group_subset()
-
-    def start_param_sync_for_bucket_group_subset(self) -> None:
-        """All-gather the parameters of the bucket groups built from this optimizer's own
-        buffers (dense or expert-parallel).
-
-        Megatron's version walks every bucket group of every model chunk, skipping only
-        those tagged ``is_managed_by_layer_wise_optimizer``; ours tags its owner-aligned
-        buffers the same way and updates them itself, so the tag says nothing here. Walking
-        every group would all-gather each one once per chained optimizer: twice per step
-        with experts."""
-        mine = {id(bucket) for buffer in self.buffers for bucket in buffer.buckets}
-        for model_chunk in self.model_chunks:
-            for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
-                if any(id(bucket) in mine for bucket in bucket_group.buckets):
-                    model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self):
@@ -420,13 +310,13 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             self.grad_scaler.load_state_dict(common["grad_scaler"])
 
 
-def update(optimizers: Sequence[MuonDistributedOptimizer], overlap_expert: bool) -> None:
+def update(optimizers: Sequence[MuonDistributedOptimizer], overlap_expert: bool, measure_updates: bool = False) -> None:
     """The update of chained Muon optimizers (dense first), in the order the data flows:
     every Muon chunk (the expert chunks while the first dense gathers travel, with
-    ``overlap_expert``), AdamW, QK-Clip, the master -> model copy, the parameter all-gather."""
+    ``overlap_expert``), AdamW, QK-Clip, the master -> model copy, the parameter sync."""
     config = optimizers[0].config
     with megatron_timer(config, "optimizer-inner-step"):
-        chunks = [opt.muon_chunks() for opt in optimizers]
+        chunks = [opt.muon_chunks(measure_updates) for opt in optimizers]
         if overlap_expert and len(chunks) > 1:
             drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
         else:
@@ -440,9 +330,9 @@ def update(optimizers: Sequence[MuonDistributedOptimizer], overlap_expert: bool)
                 opt.qk_clip.apply(opt.shard_map)
     with megatron_timer(config, "optimizer-copy-main-to-model-params"):
         for opt in optimizers:
-            opt._copy_main_params_to_model_params()
+            opt.storage.copy_masters_to_model()
     for opt in optimizers:
-        opt.start_param_sync()
+        opt.storage.start_param_sync()
 
 
 class MuonChainedOptimizer(ChainedOptimizer):
@@ -459,6 +349,9 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """Steps skipped for non-finite gradients (``skips.skipped_steps``, ``skips.consecutive``)."""
         self.step_seconds = 0.0
         """Wall time of the last ``step()`` on this rank."""
+        self.measure_updates = False
+        """Set (on every rank) before a step whose update RMS :meth:`log_statistics` will
+        report; left off, a step spends nothing on it."""
 
     @property
     def muon_optimizers(self) -> List[MuonDistributedOptimizer]:
@@ -526,7 +419,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """The update of both optimizers (:func:`update`); then, as Megatron's chain does
         with ``overlap_param_gather_with_optimizer_step``, the first model chunk's
         all-gather is dispatched to overlap the rest of the iteration."""
-        update(self.muon_optimizers, overlap_expert=self.config.muon_overlap_expert_ns)
+        update(self.muon_optimizers, self.config.muon_overlap_expert_ns, self.measure_updates)
         if self.config.overlap_param_gather_with_optimizer_step:
             self.dense.model_chunks[0].start_param_sync(force_dispatch=True)
         return True
@@ -544,22 +437,10 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Megatron dist-checkpointing state: every state tensor in model coordinates (see
+        """Megatron dist-checkpointing state in the storage backend's format
+        (``storage.checkpoint_format``): every state tensor in model coordinates (see
         ``megatron_muon.checkpoint``), reshardable across TP/PP/EP/DP and expert layouts."""
-        from .checkpoint.optimizer_state import optimizer_sharded_state
-
-        if self.dense.megatron_fsdp:
-            sharding = (kwargs.get("metadata") or {}).get("distrib_optim_sharding_type")
-            if sharding != "fsdp_dtensor":
-                raise NotImplementedError(
-                    "megatron_muon saves its state on Megatron-FSDP only as an fsdp_dtensor checkpoint "
-                    f"(metadata distrib_optim_sharding_type='fsdp_dtensor', got {sharding!r}; Megatron-LM: "
-                    "--ckpt-format fsdp_dtensor)."
-                )
-            from .checkpoint.fsdp_dtensor import optimizer_state
-
-            return optimizer_state(self, is_loading)
-        return optimizer_sharded_state(self, model_sharded_state_dict, is_loading)
+        return self.dense.storage.sharded_state_dict(self, model_sharded_state_dict, is_loading, kwargs.get("metadata"))
 
     def state_dict(self):
         raise NotImplementedError(
@@ -568,15 +449,8 @@ class MuonChainedOptimizer(ChainedOptimizer):
         )
 
     def load_state_dict(self, state_dict):
-        """Load what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
-        from .checkpoint.optimizer_state import load_optimizer_state
-
-        if self.dense.megatron_fsdp:
-            from .checkpoint import fsdp_dtensor
-
-            fsdp_dtensor.load_optimizer_state(self, state_dict)
-        else:
-            load_optimizer_state(self, state_dict)
+        """Load what the checkpoint returned for :meth:`sharded_state_dict`."""
+        self.dense.storage.load_state_dict(self, state_dict)
 
     def plan_statistics(self) -> List[Dict[str, object]]:
         return [o.plan_statistics() for o in self.muon_optimizers]
@@ -586,25 +460,23 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """The numbers a Muon run watches, for the last step; collective over every rank.
 
         ``update-rms``: RMS of all Muon updates (orthogonalized and scaled, before the
-        learning rate; each matrix counted once, by its owner). ``skipped-steps``: steps
+        learning rate; each matrix counted once, by its owner), when the step was taken
+        with :attr:`measure_updates`. ``skipped-steps``: steps
         skipped for non-finite gradients so far. ``optimizer-step-ms``: this rank's
         ``step()``. With QK-Clip or ``log_max_attention_logit``: ``max-attention-logit``
         and ``mean-attention-logit`` (the mean over layers of each layer's largest logit) and
         ``qk-clip-heads-clipped``."""
-        dense = self.dense
-        device = dense.muon.device or torch.device("cpu")
-        sums = torch.zeros(2, dtype=torch.float64, device=device)
-        for opt in self.muon_optimizers:
-            if opt.muon.update_square_sum is not None:
-                sums[0] += opt.muon.update_square_sum.double().to(device)
-            sums[1] += opt.muon.update_numel
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(sums)
-        out = {
-            "update-rms": float((sums[0] / sums[1].clamp_min(1)).sqrt()),
-            "skipped-steps": float(self.skips.skipped_steps),
-            "optimizer-step-ms": self.step_seconds * 1e3,
-        }
+        out = {"skipped-steps": float(self.skips.skipped_steps), "optimizer-step-ms": self.step_seconds * 1e3}
+        if self.dense.muon.measure_updates:
+            device = self.dense.muon.device or torch.device("cpu")
+            sums = torch.zeros(2, dtype=torch.float64, device=device)
+            for opt in self.muon_optimizers:
+                if opt.muon.update_square_sum is not None:
+                    sums[0] += opt.muon.update_square_sum.double().to(device)
+                sums[1] += opt.muon.update_numel
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(sums)
+            out["update-rms"] = float((sums[0] / sums[1].clamp_min(1)).sqrt())
         clip = self.qk_clip
         if clip is not None:
             local = (clip.layer_maxima(), clip.heads_clipped)

@@ -67,6 +67,9 @@ class MuonStep:
     device: Optional[torch.device]
     subgroups: Dict[Tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     """The process groups of the multi-rank jobs this rank takes part in."""
+    measure_updates: bool = False
+    """Whether this step sums the squares of its updates (``update_square_sum``): only when
+    a logger asked for the update RMS."""
     update_square_sum: Optional[torch.Tensor] = None
     update_numel: int = 0
     """Sum of squares and count of the elements of the updates this rank computed in the
@@ -230,9 +233,10 @@ def finish_update(step: MuonStep, members: Sequence[Tuple[Job, int]], ortho: tor
         ortho = variance_reduce(step.owner_states, members, ortho, step.variance_reduction)
     scales = torch.tensor([step.scales[job.index] for job, _ in members], dtype=ortho.dtype, device=ortho.device)
     update = ortho * scales.view(-1, 1, 1)
-    square_sum = update.float().square().sum()
-    step.update_square_sum = square_sum if step.update_square_sum is None else step.update_square_sum + square_sum
-    step.update_numel += update.numel()
+    if step.measure_updates:
+        square_sum = torch.linalg.vector_norm(update, dtype=torch.float32).square()
+        step.update_square_sum = square_sum if step.update_square_sum is None else step.update_square_sum + square_sum
+        step.update_numel += update.numel()
     return update
 
 

@@ -100,10 +100,6 @@ class Plan:
     group: OrthoGroup
     loads: List[int] = field(default_factory=list)
 
-    def jobs_owned_by(self, rank: int) -> List[Job]:
-        """The jobs ``rank`` orthogonalizes (leads, for a multi-rank job)."""
-        return [j for j in self.jobs if j.owner == rank]
-
     def fingerprint(self) -> str:
         """A hash of everything that must agree across the ranks of the group."""
         h = hashlib.sha256()

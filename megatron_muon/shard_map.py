@@ -1,5 +1,5 @@
 """The shard map: which range of every parameter each data-parallel rank holds, and this
-rank's fp32 master of it. Built once per optimizer; nothing else computes ranges.
+rank's fp32 master of it. Built once per optimizer by its storage backend (``storage/``).
 
 Megatron's distributed optimizer cuts every DDP bucket into ``dp_size`` equal contiguous
 shards and gives DP rank ``r`` the ``r``-th; a parameter's elements in that shard are the
@@ -12,16 +12,16 @@ without one (both carry ``param_index_map`` and ``bucket_indices``).
 :class:`ShardMap` holds, per parameter of one optimizer: each DP rank's range of its flat
 (tensor-parallel-local) storage, this rank's range, and this rank's fp32 master of that
 range (Megatron's ``shard_fp32_from_float16_groups`` / ``shard_fp32_groups`` tensor, 1-D).
-The planner, the step, QK-Clip, checkpoints and the CPU offload read it. It has two
-providers: Megatron's ``DistributedOptimizer`` over DDP buffers
-(:meth:`ShardMap.from_distributed_optimizer`) and Megatron-FSDP's buffers
-(:meth:`ShardMap.from_megatron_fsdp`), whose shards follow the same rule.
+The planner, the step, QK-Clip, checkpoints and the CPU offload read it. Each storage
+backend builds it from its engine's buffers: Megatron's DDP buffers under its
+``DistributedOptimizer`` (with :func:`dp_ranges_in_layout`), Megatron-FSDP's (whose shards
+follow the same rule, from its own shard function).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
@@ -43,12 +43,6 @@ def dp_ranges_in_layout(layout, param: torch.Tensor, dp_size: int) -> List[FlatR
         rng = held[param]["param"] if param in held else None
         ranges.append((rng.start, rng.end) if rng is not None and rng.end > rng.start else (0, 0))
     return ranges
-
-
-def holder_dp_rank(layout, param: torch.Tensor, dp_size: int) -> int:
-    """The DP rank holding the first element of ``param`` (the only one where the layout
-    keeps the param whole in one shard, as the owner-aligned layout does)."""
-    return next(r for r, (s, e) in enumerate(dp_ranges_in_layout(layout, param, dp_size)) if e > s)
 
 
 @dataclass(frozen=True)
@@ -74,48 +68,10 @@ class ParamShard:
 class ShardMap:
     """Every parameter of one optimizer's buffers -> its :class:`ParamShard`."""
 
-    def __init__(self, shards: Sequence[ParamShard], buffers: Sequence = ()) -> None:
+    def __init__(self, shards: Sequence[ParamShard]) -> None:
         self._shards = {id(s.param): s for s in shards}
         self.params = [s.param for s in shards]
         """The parameters, in buffer order (the same on every rank of a group)."""
-        self.buffers = list(buffers)
-
-    @classmethod
-    def from_distributed_optimizer(cls, optimizer: DistributedOptimizer) -> "ShardMap":
-        """From Megatron's ``DistributedOptimizer`` after its construction: its DDP buffers
-        say who holds what, its master groups hold this rank's fp32 masters."""
-        masters = {}
-        for models, mains in zip(optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups):
-            masters.update({id(m): s for m, s in zip(models, mains)})
-        for models, mains in zip(optimizer.model_fp32_groups, optimizer.shard_fp32_groups):
-            masters.update({id(m): s for m, s in zip(models, mains)})
-        shards = []
-        for buffer in optimizer.buffers:
-            group = buffer.data_parallel_group
-            size, rank = group.size(), group.rank()
-            for param in buffer.param_index_map:
-                ranges = tuple(dp_ranges_in_layout(buffer, param, size))
-                shards.append(ParamShard(param, ranges, rank, masters.get(id(param))))
-        return cls(shards, optimizer.buffers)
-
-    @classmethod
-    def from_megatron_fsdp(
-        cls, model_chunks: Sequence[torch.nn.Module], params: Sequence[torch.nn.Parameter]
-    ) -> "ShardMap":
-        """From Megatron-FSDP-wrapped chunks, for the optimizer parameters ``params`` (the
-        ``DTensor``s Megatron-FSDP registers): each DP rank's range from Megatron-FSDP's shard
-        index, and as this rank's master a flat view of its main-weight shard."""
-        from .megatron_fsdp import local_flat, shard_ranges
-
-        wanted = {id(p) for p in params}
-        shards = []
-        for chunk in model_chunks:
-            for param, ranges, dp_rank, _ in shard_ranges(chunk):
-                if id(param) in wanted:
-                    start, end = ranges[dp_rank]
-                    master = local_flat(param) if end > start else None
-                    shards.append(ParamShard(param, ranges, dp_rank, master))
-        return cls(shards)
 
     def __getitem__(self, param: torch.nn.Parameter) -> ParamShard:
         return self._shards[id(param)]
@@ -130,7 +86,3 @@ class ShardMap:
         """This rank's fp32 master of ``param`` (None where it holds none, or not ours)."""
         shard = self._shards.get(id(param))
         return shard.master if shard is not None else None
-
-    def masters(self) -> Dict[int, torch.Tensor]:
-        """id(model param) -> this rank's fp32 master, for every param it holds."""
-        return {id(s.param): s.master for s in self if s.master is not None}

@@ -105,7 +105,7 @@ def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     over the data-parallel group bucket by bucket (one collective per bucket and state)."""
     local = shard_values(opt)
     out: Dict[int, Dict[str, torch.Tensor]] = {}
-    for buffer in opt.shard_map.buffers:
+    for buffer in opt.buffers:
         group = buffer.data_parallel_group
         size = group.size()
         for bucket in buffer.buckets:

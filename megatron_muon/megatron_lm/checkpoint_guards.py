@@ -451,9 +451,9 @@ def keep_saved_states(sharded_state_dict: dict, checkpoint_dir: str) -> None:
 
 def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` replaced by
-    ``checkpoint.fsdp_dtensor.preprocess_state_dict``; before a load, the checkpoint
+    ``fsdp_state_dict.preprocess_state_dict``; before a load, the checkpoint
     checked to hold every weight and optimizer state (:func:`check_holds_state`)."""
-    from megatron_muon.checkpoint.fsdp_dtensor import preprocess_state_dict
+    from megatron_muon.megatron_lm.fsdp_state_dict import preprocess_state_dict
 
     def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
         state_dict = preprocess_state_dict(args, raw_state_dict, model)

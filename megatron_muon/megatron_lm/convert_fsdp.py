@@ -26,10 +26,11 @@ from typing import Any, Dict, List, Set, Tuple
 import torch
 
 from megatron_muon.checkpoint.errors import CheckpointError
-from megatron_muon.checkpoint.fsdp_dtensor import GLU_HALVES, CommonState, glu_parameters, strip_wrappers
+from megatron_muon.checkpoint.fsdp_dtensor import CommonState, strip_wrappers
 from megatron_muon.checkpoint.optimizer_state import STATE_PREFIX as OPTIMIZER_STATE
 from megatron_muon.checkpoint.optimizer_state import model_param_metadata, optimizer_kind
 from megatron_muon.checkpoint.optimizer_state import state_key as torch_dist_key
+from megatron_muon.megatron_lm.fsdp_state_dict import GLU_HALVES, glu_parameters
 from megatron_muon.state import MASTER
 
 from .checkpoint_dirs import COMMON, GROUP_META, Checkpoint, ensure_process_group, load_dcp

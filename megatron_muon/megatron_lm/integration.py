@@ -32,7 +32,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_muon.config import SCALAR_OPTIMIZERS, SCALE_MODES, TP_MODES, MuonConfig
 from megatron_muon.factory import get_muon_optimizer
-from megatron_muon.megatron_fsdp import check_megatron_fsdp, fix_gradient_accumulation_on_single_rank_groups
+from megatron_muon.storage import DistributedOptimizerStorage, MegatronFSDPStorage
+from megatron_muon.storage.megatron_fsdp import check_megatron_fsdp, fix_gradient_accumulation_on_single_rank_groups
 
 from . import muon_args
 
@@ -151,8 +152,10 @@ def _ours(args: argparse.Namespace) -> bool:
 
 
 def _checkpoint_format(args: argparse.Namespace) -> str:
-    """The one checkpoint format of a run: fsdp_dtensor on Megatron-FSDP, else torch_dist."""
-    return "fsdp_dtensor" if getattr(args, "use_megatron_fsdp", False) else "torch_dist"
+    """The one checkpoint format of a run: its storage backend's (fsdp_dtensor on
+    Megatron-FSDP, else torch_dist)."""
+    fsdp = getattr(args, "use_megatron_fsdp", False)
+    return (MegatronFSDPStorage if fsdp else DistributedOptimizerStorage).checkpoint_format
 
 
 def check_supported(args: argparse.Namespace) -> None:
@@ -331,7 +334,8 @@ def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> 
 def _wrap_training_log(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Megatron-LM's log, then Muon's numbers (``MuonChainedOptimizer.log_statistics``) as
     TensorBoard scalars ``muon/...`` at every ``--tensorboard-log-interval`` (with
-    ``--tensorboard-dir``). The statistics are collective: every rank computes them, the rank
+    ``--tensorboard-dir``); the update RMS is measured only in the steps of those iterations
+    (``measure_updates``, set for the next step here). The statistics are collective: every rank computes them, the rank
     holding Megatron-LM's writer writes."""
     signature = inspect.signature(original)
 
@@ -342,9 +346,11 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
         if args is None or optimizer is None or not getattr(args, "tensorboard_dir", None):
             return result
         iteration = signature.bind(*a, **kw).arguments["iteration"]
-        if iteration % max(1, args.tensorboard_log_interval):
+        interval = max(1, args.tensorboard_log_interval)
+        optimizer.measure_updates = (iteration + 1) % interval == 0  # for the next step
+        if iteration % interval:
             return result
-        stats = optimizer.log_statistics()
+        stats = optimizer.log_statistics()  # of the step just taken
         writer = module.get_tensorboard_writer()
         if writer:
             for name, value in stats.items():
@@ -384,6 +390,9 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _In
             config_overrides=p.get("config_overrides"),
             use_gloo_process_groups=p.get("use_gloo_process_groups", True),
         )
+        # The first step's update RMS is measured when TensorBoard will log it; later ones
+        # only for the iterations it logs (``_wrap_training_log``).
+        optimizer.measure_updates = bool(getattr(args, "tensorboard_dir", None))
         installed.optimizer = optimizer
         return optimizer
 

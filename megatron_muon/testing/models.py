@@ -343,10 +343,10 @@ def wrap_megatron_fsdp(
     fp32 main gradients (Megatron-FSDP's default is the parameter dtype, and it ignores
     ``grad_reduce_in_fp32``), ``overlap_grad_reduce`` (its 'optim' sharding reduces twice
     without it), no ``PREMUL_SUM`` on the CPU (gloo lacks it), and Megatron-FSDP's
-    accumulation fixed for one-rank groups (``megatron_muon.megatron_fsdp``)."""
+    accumulation fixed for one-rank groups (``megatron_muon.storage.megatron_fsdp``)."""
     from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
 
-    from ..megatron_fsdp import fix_gradient_accumulation_on_single_rank_groups
+    from ..storage.megatron_fsdp import fix_gradient_accumulation_on_single_rank_groups
 
     fix_gradient_accumulation_on_single_rank_groups()
     options = dict(
@@ -370,7 +370,7 @@ def megatron_fsdp_weights(model: List[torch.nn.Module]) -> List[Dict[str, torch.
     and cast to the parameter dtype, as Megatron-FSDP's parameter all-gather does."""
     import torch.distributed as dist
 
-    from ..megatron_fsdp import local_flat, shard_ranges
+    from ..storage.megatron_fsdp import local_flat, shard_ranges
 
     out = []
     for chunk in model:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_muon.megatron_fsdp import STRATEGIES
+from megatron_muon.storage.megatron_fsdp import STRATEGIES
 from megatron_muon.testing import run_distributed
 from megatron_muon.testing import models as M
 from tests.helpers.training import max_rel_err, reference, train
@@ -80,7 +80,7 @@ def test_bf16_model_equals_the_distributed_optimizer_run():
 
 def _refusals():
     """Each refused setting's message, built on one rank (EP == DP makes a one-rank group)."""
-    import megatron_muon.megatron_fsdp as F
+    import megatron_muon.storage.megatron_fsdp as F
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
 
     from megatron_muon import get_muon_optimizer

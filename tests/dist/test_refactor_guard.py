@@ -1,18 +1,25 @@
 """The refactor guard: the step restructured around one generator and one shard map (issue
-"The Muon step as one generator over one shard map") computes bitwise what the code before
-it computed.
+"The Muon step as one generator over one shard map"), and its storage split into one
+backend per data-parallel engine (issue "One storage backend per data-parallel engine"),
+compute bitwise what the code before them computed.
 
-``tests/data/refactor_guard.json`` holds the fingerprints of short fp32 (and one bf16)
-training runs recorded at commit a0738cf, the last commit before the redesign:
-parameters, fp32 masters, Muon momentum, AdamW moments and second moments after three
-steps, and the losses. The layouts cover DP2 x TP2 (GQA and MLA with QK-Clip; variance
+``tests/data/refactor_guard.json`` holds recordings, each the fingerprints of short fp32
+(and bf16) training runs at one commit on one machine: at a0738cf, the last commit before
+the redesign of the step (Intel Xeon), and at 1aa3f41, the last before the storage backends
+(AMD EPYC; every layout, Megatron-FSDP's first). A run is compared with its recording on
+this machine where there is one, else with the oldest. A run holds
+its parameters, fp32 masters, Muon momentum, AdamW moments and second moments after
+three steps, and its losses. The layouts cover DP2 x TP2 (GQA and MLA with QK-Clip; variance
 reduction, cautious weight decay, CPU offload of momentum and masters, both buffer
 layouts, all TP modes, Gram NS, finer logical matrices), DP2 x EP2 (MoE, with and
-without the expert overlap) and DP4 with multi-rank Newton–Schulz. An offloaded run is held
-to its run with the state on the device (``OFFLOAD_TWINS``). Regenerate only when a change
-means to alter the numbers: ``python -m tests.dist.test_refactor_guard --record``.
+without the expert overlap), DP4 with multi-rank Newton–Schulz, and Megatron-FSDP at DP2 and
+DP2 x TP2 (GQA and MLA with QK-Clip, variance reduction, cautious weight decay). An
+offloaded run is held to its run with the state on the device (``OFFLOAD_TWINS``).
+Regenerate only when a change means to alter the numbers:
+``python -m tests.dist.test_refactor_guard --record [LAYOUT ...]`` (a new recording of
+those layouts on this machine, all by default; other machines' recordings are kept).
 
-Bitwise holds only on the CPU model and torch build that recorded it (another CPU's BLAS
+Bitwise holds only on the CPU model and torch build that recorded a run (another CPU's BLAS
 kernels round differently: measured on an AMD EPYC against the Intel Xeon record, every
 fp32 tensor's sum moved by at most 6.5e-7 of its absolute sum, a bf16 run with the
 cautious mask by 1.2e-3). Elsewhere the fp32 runs are held to 1e-5 of each tensor's
@@ -38,10 +45,16 @@ ELSEWHERE = 1e-5
 fraction of its absolute sum, and of a loss, relative."""
 
 
-def _recording_machine(record: dict) -> bool:
+def _recording_machine(recording: dict) -> bool:
     import torch
 
-    return record.get("machine") == cpu_model() and record.get("torch") == torch.__version__
+    return recording.get("machine") == cpu_model() and recording.get("torch") == torch.__version__
+
+
+def _recording_of(record: dict, run: str) -> dict:
+    """The recording of ``run`` made on this machine, else the oldest."""
+    holding = [r for r in record["recordings"] if run in r["runs"]]
+    return next((r for r in holding if _recording_machine(r)), holding[0])
 
 
 def _changed(tensors: dict, expected: dict, bitwise: bool) -> list:
@@ -70,13 +83,14 @@ def _measure(layout: str) -> dict:
 @pytest.mark.parametrize("layout", list(RUNS))
 def test_step_is_bitwise_what_it_was(layout):
     record = json.loads(RECORD.read_text())
-    bitwise = _recording_machine(record)
     measured = _measure(layout)
     for name, tensors in measured.items():
+        # Offloaded momentum computes what the device path does now (tests.helpers.guard).
+        recording = _recording_of(record, OFFLOAD_TWINS.get(name, name))
+        bitwise = _recording_machine(recording)
         if not bitwise and name.startswith("bf16"):
             continue
-        # Offloaded momentum computes what the device path does now (tests.helpers.guard).
-        expected = record["runs"][OFFLOAD_TWINS.get(name, name)]
+        expected = recording["runs"][OFFLOAD_TWINS.get(name, name)]
         assert sorted(tensors) == sorted(expected), f"{name}: other tensors than recorded"
         changed = _changed(tensors, expected, bitwise)
         assert not changed, f"{name}: {len(changed)} tensors changed, e.g. " + "; ".join(changed[:4])
@@ -85,12 +99,17 @@ def test_step_is_bitwise_what_it_was(layout):
 if __name__ == "__main__" and "--record" in sys.argv:
     import subprocess
 
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    runs = {}
-    for layout in RUNS:
-        runs.update(_measure(layout))
     import torch
 
-    record = {"commit": commit, "machine": cpu_model(), "torch": torch.__version__, "runs": runs}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    layouts = [a for a in sys.argv[1:] if a != "--record"] or list(RUNS)
+    runs = {}
+    for layout in layouts:
+        runs.update(_measure(layout))
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"recordings": []}
+    for older in filter(_recording_machine, record["recordings"]):
+        older["runs"] = {k: v for k, v in older["runs"].items() if k not in runs}
+    record["recordings"] = [r for r in record["recordings"] if r["runs"]]
+    record["recordings"].append({"commit": commit, "machine": cpu_model(), "torch": torch.__version__, "runs": runs})
     RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     print(f"recorded {len(runs)} runs at {commit} into {RECORD}")

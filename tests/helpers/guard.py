@@ -75,6 +75,24 @@ RUNS = {
             "split_ns_vr": (SPLIT_MODEL, dict(FREE_LINKS, **VR)),
         },
     ),
+    # Megatron-FSDP (recorded at 1aa3f41, before the storage backends).
+    "FSDP-DP2": (
+        2,
+        dict(),
+        {
+            "fsdp_gqa_qk": (GQA_QK, dict(fsdp="optim_grads_params")),
+            "fsdp_gqa_qk_vr_chunks": (GQA_QK, dict(VR, fsdp="optim_grads", **CHUNKS)),
+            "fsdp_mla_qk": (dict(kind="mla", extra=QK), dict(fsdp="optim_grads_params")),
+        },
+    ),
+    "FSDP-DP2xTP2": (
+        4,
+        dict(tp=2),
+        {
+            "fsdp_tp_gqa_qk": (GQA_QK, dict(fsdp="optim_grads_params")),
+            "fsdp_tp_gqa_qk_vr_cautious": (GQA_QK, dict(VR, fsdp="optim_grads", **CAUTIOUS)),
+        },
+    ),
 }
 
 OFFLOAD_TWINS = {
@@ -104,11 +122,55 @@ def guard_runs(layout: str) -> Dict[str, dict]:
             assert ok, name
             sched.step(1)
             losses.append(loss)
-        out[name] = dict(
-            params=M.gather_canonical_state(chunks),
-            optimizer=M.gather_canonical_optimizer_state(model, opt),
-            losses=losses,
-        )
+        if overrides.get("fsdp"):
+            params, optimizer = M.gather_canonical_state_of_megatron_fsdp(model, spec), fsdp_optimizer_state(model, opt)
+        else:
+            params, optimizer = M.gather_canonical_state(chunks), M.gather_canonical_optimizer_state(model, opt)
+        out[name] = dict(params=params, optimizer=optimizer, losses=losses)
+    return out
+
+
+def fsdp_optimizer_state(model, opt) -> Dict[str, list]:
+    """Every optimizer state tensor of a Megatron-FSDP run, whole per tensor-parallel rank
+    (``optimizer.<state>.<param>.tp<rank>``, flat), all-gathered over each parameter's FSDP
+    group from Megatron-FSDP's own shard index; in the ``gather_canonical_state`` form.
+
+    It reads only what both sides of a storage refactor have: the inner optimizer's groups
+    and state, keyed by the ``DTensor`` parameter (AdamW) or a flat view of its local shard
+    (Muon's masters)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_muon.storage.megatron_fsdp import local_flat, shard_ranges
+
+    states = {}
+    for inner in opt.chained_optimizers:
+        for group in inner.optimizer.param_groups:
+            for p in group["params"]:
+                state = inner.optimizer.state.get(p, {})
+                key = local_flat(p).data_ptr() if hasattr(p, "to_local") else p.data_ptr()
+                states[key] = {n: v for n, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    out: Dict[str, list] = {}
+    for chunk in model:
+        names = chunk.param_and_grad_buffer.param_to_name
+        for param, ranges, dp_rank, group in shard_ranges(chunk):
+            local = local_flat(param)
+            mine = states.get(local.data_ptr(), {}) if local.numel() else {}
+            every = [None] * group.size()
+            dist.all_gather_object(every, sorted(mine), group=group)
+            for state_name in sorted(set().union(*every)):
+                piece = torch.zeros(max(e - s for s, e in ranges), dtype=torch.float32)
+                if state_name in mine:
+                    piece[: local.numel()] = local_flat(mine[state_name]).float()
+                pieces = [torch.empty_like(piece) for _ in ranges]
+                dist.all_gather(pieces, piece, group=group)
+                full = torch.zeros(param.orig_param.numel())
+                for (s, e), got in zip(ranges, pieces):
+                    full[s:e] = got[: e - s]
+                if dp_rank == 0:
+                    key = f"optimizer.{state_name}.{names[param.orig_param]}.tp{tp}"
+                    out[key] = [(((full.numel(),), (slice(0, full.numel()),)), full)]
     return out
 
 

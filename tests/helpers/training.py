@@ -111,7 +111,7 @@ def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
             state=state,
             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
             # The matrices this rank orthogonalizes (leads, when several ranks share one).
-            computed=[j.matrix.name for o in opt.muon_optimizers for j in o.plan.jobs_owned_by(o.plan.group.rank)],
+            computed=[j.matrix.name for o in opt.muon_optimizers for j in o.plan.jobs if j.owner == o.plan.group.rank],
             stats=[o.plan_statistics() for o in opt.muon_optimizers],
             traffic=dict(traffic.bytes),
         )

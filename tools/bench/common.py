@@ -30,16 +30,6 @@ rewrites the results the docs quote (``docs/bench``; write there with ``--out do
 DOCS_OUT = REPO_ROOT / "docs" / "bench"
 
 
-def ensure_repo_on_path() -> None:
-    """Make ``tools.bench`` importable when a script is run by path (spawned ranks
-    inherit ``sys.path``, and they must import the rank functions by module name)."""
-    here = str(Path(__file__).resolve().parent)
-    if here in sys.path:
-        sys.path.remove(here)
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-
-
 # ---------------------------------------------------------------------------------------
 # Devices and the machine
 # ---------------------------------------------------------------------------------------

@@ -259,7 +259,7 @@ def held_bytes(model, opt) -> Dict[str, int]:
     DDP, this rank's shard under Megatron-FSDP ``optim_grads_params``), gradients (DDP's grad
     buffer, Megatron-FSDP's main-grad shards) and optimizer state (fp32 masters + moments,
     :func:`optimizer_state_bytes`)."""
-    from megatron_muon.megatron_fsdp import is_megatron_fsdp
+    from megatron_muon.storage.megatron_fsdp import is_megatron_fsdp
 
     out = dict(params=0, grads=0)
     for chunk in model:

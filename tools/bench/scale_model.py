@@ -404,14 +404,16 @@ def _megatron_parts(
 
 def _megatron_costs(costs: RankCosts, params: List[S.StageParam], layouts, m, c: Cluster) -> None:
     from megatron_muon.newton_schulz import newton_schulz_flops
-    from megatron_muon.shard_map import holder_dp_rank
+    from megatron_muon.shard_map import dp_ranges_in_layout
 
     for sp in params:
         if not getattr(sp.param, "is_managed_by_layer_wise_optimizer", False):
             continue
         key = next(k for k, l in layouts.layouts.items() if sp.param in l.param_index_map)
         size = c.etp if sp.expert else c.tp
-        d = holder_dp_rank(layouts.layouts[key], sp.param, layouts.layouts[key].num_optimizer_shards)
+        # The DP rank holding the matrix (Megatron's layer-wise layout keeps it whole in one shard).
+        ranges = dp_ranges_in_layout(layouts.layouts[key], sp.param, layouts.layouts[key].num_optimizer_shards)
+        d = next(r for r, (s, e) in enumerate(ranges) if e > s)
         for local, full, dim in _megatron_parts(sp, m, size):
             sharded = dim is not None and size > 1
             side = full[1] if dim == 0 else full[0]

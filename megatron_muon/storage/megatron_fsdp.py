@@ -1,5 +1,6 @@
-"""Megatron-FSDP (ZeRO-3) under the Muon optimizer: where each rank's shards are, what the
-optimizer requires of the wrapping, and one Megatron-FSDP defect it works around.
+"""Storage under Megatron-FSDP (ZeRO-3): where each rank's shards are, what the optimizer
+requires of the wrapping, the storage backend itself (:class:`MegatronFSDPStorage`), and one
+Megatron-FSDP defect it works around.
 
 Megatron-FSDP (``megatron.core.distributed.FullyShardedDataParallel``) packs the parameters
 of each *parameter group* (same dtype, dense or expert, one FSDP unit) into flat buffers
@@ -9,9 +10,10 @@ group's bucket is cut into ``dp_size`` equal contiguous shards and DP rank ``r``
 ``optim_grads``; of the compute weights too with ``optim_grads_params``). That is the rule
 of the DDP buffers under Megatron's distributed optimizer, so Muon's plan, ownership and
 pipeline run unchanged on it: :func:`shard_ranges` evaluates Megatron-FSDP's own shard
-function for every rank, and ``ShardMap.from_megatron_fsdp`` takes this rank's fp32
-masters from the optimizer parameters Megatron-FSDP registers (``DTensor`` views of the
-main-weight shards). The main-weight buffer is the master, the main-grad shard its gradient.
+function for every rank, and the backend takes this rank's fp32 masters from the optimizer
+parameters Megatron-FSDP registers (``DTensor`` views of the main-weight shards). The
+main-weight buffer is the master, the main-grad shard its gradient. Megatron's
+``DistributedOptimizer`` keeps no masters of its own here (its constructor returns early).
 
 A parameter may start in one rank's shard and end in the next (Megatron-FSDP aligns items
 to the least common multiple of the group's row lengths, then packs): the Muon step moves
@@ -22,11 +24,15 @@ Megatron's byte-level DDP layout.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-FlatRange = Tuple[int, int]
+from ..checkpoint import fsdp_dtensor
+from ..shard_map import FlatRange, ParamShard, ShardMap
+from ..timers import megatron_timer
+from .backend import StorageBackend
 
 STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
 """The ``data_parallel_sharding_strategy`` values Muon runs on (``no_shard`` keeps every
@@ -149,6 +155,135 @@ def dp_groups(chunks: Sequence[torch.nn.Module]) -> Dict[bool, object]:
 
 
 # --------------------------------------------------------------------------------------
+# The storage backend
+# --------------------------------------------------------------------------------------
+
+
+class MegatronFSDPStorage(StorageBackend):
+    """Megatron-FSDP's flat buffers: the ``DTensor`` parameters it registers for the
+    optimizer are the fp32 masters (this rank's main-weight shard), their ``.grad`` the
+    main-grad shard (``--use-megatron-fsdp``)."""
+
+    checkpoint_format = "fsdp_dtensor"
+
+    @classmethod
+    def wraps(cls, chunk: torch.nn.Module) -> bool:
+        return is_megatron_fsdp(chunk)
+
+    @classmethod
+    def check(cls, model_chunks: Sequence[torch.nn.Module], config) -> None:
+        check_megatron_fsdp(model_chunks[0].ddp_config)
+        check_single_rank_groups(model_chunks)
+        if config.muon_cpu_offload or config.optimizer_cpu_offload:
+            raise NotImplementedError(
+                "get_muon_optimizer: CPU offload (muon_cpu_offload / optimizer_cpu_offload) is not supported on "
+                "Megatron-FSDP; Megatron-FSDP already shards the masters, gradients and parameters over DP."
+            )
+
+    @classmethod
+    def prepare(cls, model_chunks: Sequence[torch.nn.Module]) -> Dict[bool, Any]:
+        """The optimizer holds the ``DTensor`` parameters Megatron-FSDP registers (modules
+        hold them outside forward and backward, but the raw ones after a parameter
+        all-gather), with the attributes Megatron's optimizer reads; each parameter group is
+        sharded over its own FSDP group."""
+        for chunk in model_chunks:
+            chunk.module._replace_param_with_distributed_if_needed()
+        carry_parameter_attributes(model_chunks)
+        return dp_groups(model_chunks)
+
+    def __init__(self, opt, data_parallel_group) -> None:
+        opt.buffers, opt.data_parallel_group = [], data_parallel_group
+        super().__init__(opt, data_parallel_group)
+        self.muon_group_of: Dict[int, dict] = {}
+        """id(DTensor parameter) -> its Muon group (its master may be absent here: an empty shard)."""
+        self._hold_flat_masters()
+
+    def build_shard_map(self) -> ShardMap:
+        """Each DP rank's range from Megatron-FSDP's shard index; as this rank's master a
+        flat view of its main-weight shard."""
+        wanted = {id(mp.param) for mp in self.opt.muon_params}
+        shards = []
+        for chunk in self.opt.model_chunks:
+            for param, ranges, dp_rank, _ in shard_ranges(chunk):
+                if id(param) in wanted:
+                    start, end = ranges[dp_rank]
+                    master = local_flat(param) if end > start else None
+                    shards.append(ParamShard(param, ranges, dp_rank, master))
+        return ShardMap(shards)
+
+    def _hold_flat_masters(self) -> None:
+        """The Muon groups hold this rank's flat master shards instead of the ``DTensor``
+        parameters (as Megatron's optimizer holds its shard masters), carrying the
+        attributes Megatron's grad norm reads (TP duplicates, shared weights)."""
+        from megatron.core.optimizer.optimizer import GRAD_NORM_GROUP_ATTR
+        from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
+
+        for group in self.opt.optimizer.muon_groups:
+            masters = []
+            for param in group["params"]:
+                self.muon_group_of[id(param)] = group
+                master = self.shard_map.master(param)
+                if master is None:
+                    continue
+                copy_tensor_model_parallel_attributes(master, param)
+                for attr in ("shared", "allreduce", GRAD_NORM_GROUP_ATTR):
+                    if hasattr(param, attr):
+                        setattr(master, attr, getattr(param, attr))
+                masters.append(master)
+            group["params"] = masters
+
+    def float16_masters(self) -> List[torch.Tensor]:
+        # The DTensor parameters are the fp32 main weights; the model's dtype is the module
+        # parameter's (``orig_param``).
+        float16 = (mp.param for mp in self.opt.muon_params if mp.param.orig_param.dtype != torch.float32)
+        return [m for m in map(self.shard_map.master, float16) if m is not None]
+
+    def copy_grads_to_masters(self) -> None:
+        """Megatron-FSDP has set each ``DTensor`` parameter's ``.grad`` to its gradient
+        shard: a flat view of it becomes the master's."""
+        for shard in self.shard_map:
+            if shard.master is not None:
+                grad = shard.param.grad
+                shard.master.grad = local_flat(grad) if grad is not None else torch.zeros_like(shard.master)
+
+    def master_grads(self) -> List[torch.Tensor]:
+        params = (p for g in self.opt.optimizer.param_groups for p in g["params"])
+        return [local_flat(p.grad) for p in params if p.grad is not None]
+
+    def release_master_grads(self) -> None:
+        for shard in self.shard_map:
+            if shard.master is not None:
+                shard.master.grad = None
+
+    def copy_masters_to_model(self) -> None:
+        """Megatron's copy (its Megatron-FSDP branch); one copy covers the dense and the
+        expert parameters of a chunk, so the dense optimizer makes it."""
+        if self.opt.name == "dense":
+            DistributedOptimizer._copy_main_params_to_model_params(self.opt)
+
+    def start_param_sync(self) -> None:
+        """Megatron-FSDP gathers (or, overlapping, prepares to gather) every parameter group
+        of a chunk, dense and expert: once, from the dense optimizer."""
+        if self.opt.name == "dense":
+            with megatron_timer(self.opt.config, "params-all-gather"):
+                for chunk in self.opt.model_chunks:
+                    chunk.start_param_sync()
+
+    def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
+        sharding = (metadata or {}).get("distrib_optim_sharding_type")
+        if sharding != "fsdp_dtensor":
+            raise NotImplementedError(
+                "megatron_muon saves its state on Megatron-FSDP only as an fsdp_dtensor checkpoint "
+                f"(metadata distrib_optim_sharding_type='fsdp_dtensor', got {sharding!r}; Megatron-LM: "
+                "--ckpt-format fsdp_dtensor)."
+            )
+        return fsdp_dtensor.optimizer_state(chain, is_loading)
+
+    def load_state_dict(self, chain, state_dict: Dict[str, Any]) -> None:
+        fsdp_dtensor.load_optimizer_state(chain, state_dict)
+
+
+# --------------------------------------------------------------------------------------
 # A Megatron-FSDP defect (megatron-core 0.19.2, any device)
 # --------------------------------------------------------------------------------------
 
@@ -203,6 +338,6 @@ def check_single_rank_groups(chunks: Sequence[torch.nn.Module], where: str = "ge
                     f"{where}: Megatron-FSDP built an unsharded gradient buffer for a one-rank data-parallel "
                     "group (expert_model_parallel_size equal to the data-parallel size): it scales earlier "
                     "micro-batches' gradients again at every later one. Call "
-                    "megatron_muon.megatron_fsdp.fix_gradient_accumulation_on_single_rank_groups() before "
+                    "megatron_muon.storage.megatron_fsdp.fix_gradient_accumulation_on_single_rank_groups() before "
                     "wrapping the model in FullyShardedDataParallel."
                 )

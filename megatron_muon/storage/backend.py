@@ -1,0 +1,103 @@
+"""What a storage backend is: where one Muon optimizer's fp32 masters, their gradients and
+the model's parameters live under one data-parallel engine.
+
+The Muon step itself (the plan, ``pipeline.py``, the state registry) reads only a
+:class:`~megatron_muon.shard_map.ShardMap`: which range of every parameter each DP rank
+holds, and this rank's fp32 master of it. Everything around the step that depends on how
+the engine stores the model is the backend's, chosen once when ``get_muon_optimizer``
+builds the optimizer:
+
+* before the optimizer: refusing what the engine cannot do (:meth:`check`), preparing the
+  chunks (:meth:`prepare`), whether the buffers are owner-aligned (:meth:`owner_aligned`);
+* building the shard map (the constructor);
+* gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`master_grads`,
+  :meth:`release_master_grads`);
+* masters -> model parameters (:meth:`copy_masters_to_model`) and the parameter sync
+  (:meth:`start_param_sync`);
+* the checkpoint format it writes (:attr:`checkpoint_format`, :meth:`sharded_state_dict`,
+  :meth:`load_state_dict`).
+
+A new engine is one new module with a subclass, added to ``storage.ENGINES``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..shard_map import ShardMap
+
+
+class StorageBackend:
+    """One data-parallel engine's storage, for one ``MuonDistributedOptimizer`` (``opt``:
+    Megatron's ``DistributedOptimizer`` subclass that holds this backend)."""
+
+    checkpoint_format: ClassVar[str]
+    """Megatron's ``--ckpt-format`` of the optimizer state this backend writes."""
+
+    # ------------------------------------------------------------------ before the optimizer
+    @classmethod
+    def wraps(cls, chunk: torch.nn.Module) -> bool:
+        """Whether this engine wrapped ``chunk``."""
+        raise NotImplementedError
+
+    @classmethod
+    def check(cls, model_chunks: Sequence[torch.nn.Module], config) -> None:
+        """Refuse, naming the fix, what the Muon optimizer cannot run on with this engine."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare(cls, model_chunks: Sequence[torch.nn.Module]) -> Dict[bool, dist.ProcessGroup]:
+        """Make the chunks ready for the optimizer; ``{is_expert: data-parallel group}`` where
+        the engine shards over a group of its own."""
+        return {}
+
+    @classmethod
+    def owner_aligned(cls, config, model_chunks: Sequence[torch.nn.Module]) -> bool:
+        """Whether each matrix lies whole in one DP rank's shard (``buffer_layout.py``)."""
+        return False
+
+    # ------------------------------------------------------------------ the optimizer's storage
+    def __init__(self, opt, data_parallel_group: dist.ProcessGroup) -> None:
+        self.opt = opt
+        self.data_parallel_group = data_parallel_group
+        """The group the masters are sharded over (the plan's data-parallel ranks)."""
+        self.shard_map: ShardMap = self.build_shard_map()
+
+    def build_shard_map(self) -> ShardMap:
+        raise NotImplementedError
+
+    def float16_masters(self) -> List[torch.Tensor]:
+        """This rank's fp32 masters of the bf16/fp16 Muon parameters (an fp32 parameter's
+        master is the parameter's own storage)."""
+        raise NotImplementedError
+
+    def copy_grads_to_masters(self) -> None:
+        """The reduced gradients into this rank's masters' ``.grad``."""
+        raise NotImplementedError
+
+    def master_grads(self) -> List[torch.Tensor]:
+        """Every master gradient this rank holds (to unscale and check for inf/NaN)."""
+        raise NotImplementedError
+
+    def release_master_grads(self) -> None:
+        """Drop the masters' gradients (``zero_grad``)."""
+
+    def copy_masters_to_model(self) -> None:
+        """The updated masters into the model's parameters (their shard of them)."""
+        raise NotImplementedError
+
+    def start_param_sync(self) -> None:
+        """Bring every rank's parameters up to date after the update (or start to)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints
+    def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
+        """The chained optimizer's state in :attr:`checkpoint_format`."""
+        raise NotImplementedError
+
+    def load_state_dict(self, chain, state_dict: Dict[str, Any]) -> None:
+        """Load what the checkpoint returned for :meth:`sharded_state_dict`."""
+        raise NotImplementedError

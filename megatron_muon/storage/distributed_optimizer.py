@@ -1,0 +1,138 @@
+"""Storage under Megatron's ``DistributedDataParallel`` with the distributed optimizer: the
+DDP buffers hold the model's parameters and reduce-scattered gradients, Megatron's
+``DistributedOptimizer`` (which ``MuonDistributedOptimizer`` subclasses) this rank's fp32
+masters of its shard of every bucket.
+
+Megatron's optimizer code does the copies (grads -> masters, masters -> model); this
+backend calls it, adds the CPU-offloaded masters' gradient placeholders, and all-gathers
+only the bucket groups of its own optimizer's buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Dict, List, Sequence
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+from ..buffer_layout import is_owner_aligned
+from ..checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
+from ..shard_map import ParamShard, ShardMap, dp_ranges_in_layout
+from ..timers import megatron_timer
+from .backend import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+
+class DistributedOptimizerStorage(StorageBackend):
+    """Megatron's DDP buffers and distributed-optimizer masters (``--use-distributed-optimizer``)."""
+
+    checkpoint_format = "torch_dist"
+
+    @classmethod
+    def wraps(cls, chunk: torch.nn.Module) -> bool:
+        return hasattr(chunk, "buffers") and getattr(chunk, "ddp_config", None) is not None
+
+    @classmethod
+    def check(cls, model_chunks: Sequence[torch.nn.Module], config) -> None:
+        for i, chunk in enumerate(model_chunks):
+            if not cls.wraps(chunk):
+                raise TypeError(
+                    f"get_muon_optimizer: model chunk {i} ({type(chunk).__name__}) is not wrapped in "
+                    "megatron.core.distributed.DistributedDataParallel. Wrap every chunk with "
+                    "DistributedDataParallel(config, DistributedDataParallelConfig("
+                    "use_distributed_optimizer=True), module=chunk) first."
+                )
+            if not chunk.ddp_config.use_distributed_optimizer:
+                raise ValueError(
+                    f"get_muon_optimizer: model chunk {i} was wrapped with "
+                    "DistributedDataParallelConfig(use_distributed_optimizer=False); the Muon optimizer "
+                    "shards its state like Megatron's distributed optimizer and needs "
+                    "use_distributed_optimizer=True (Megatron-LM: --use-distributed-optimizer)."
+                )
+            if chunk.ddp_config.num_distributed_optimizer_instances != 1:
+                raise NotImplementedError(
+                    "get_muon_optimizer: num_distributed_optimizer_instances > 1 is not supported yet."
+                )
+
+    @classmethod
+    def owner_aligned(cls, config, model_chunks: Sequence[torch.nn.Module]) -> bool:
+        """'owner_aligned' asked but DDP built without the layout: the step is still exact on
+        Megatron's byte-level layout, only with DP traffic, so warn (naming the fix)."""
+        aligned = is_owner_aligned(model_chunks)
+        if config.muon_buffer_layout == "owner_aligned" and not aligned:
+            logger.warning(
+                "get_muon_optimizer: muon_buffer_layout='owner_aligned' but DDP was built without "
+                "megatron_muon.owner_aligned_param_layout(); running on Megatron's byte-level layout (Muon "
+                "pieces then travel over DP). Pass DistributedDataParallel(..., full_param_layout="
+                "owner_aligned_param_layout(config, chunk, ddp_config)) or set muon_buffer_layout='megatron'."
+            )
+        return aligned
+
+    def __init__(self, opt, data_parallel_group) -> None:
+        # The plan's DP group is the buffers' own (Megatron's intra-instance group).
+        super().__init__(opt, opt.buffers[0].data_parallel_group if opt.buffers else data_parallel_group)
+
+    def build_shard_map(self) -> ShardMap:
+        """Megatron's DDP buffers say who holds what; its master groups hold this rank's
+        fp32 masters (``shard_fp32_from_float16_groups`` / ``shard_fp32_groups``)."""
+        opt = self.opt
+        masters = {}
+        for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+            masters.update({id(m): s for m, s in zip(models, mains)})
+        for models, mains in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
+            masters.update({id(m): s for m, s in zip(models, mains)})
+        shards = []
+        for buffer in opt.buffers:
+            group = buffer.data_parallel_group
+            size, rank = group.size(), group.rank()
+            for param in buffer.param_index_map:
+                ranges = tuple(dp_ranges_in_layout(buffer, param, size))
+                shards.append(ParamShard(param, ranges, rank, masters.get(id(param))))
+        return ShardMap(shards)
+
+    def float16_masters(self) -> List[torch.Tensor]:
+        float16 = {id(m) for group in self.opt.shard_fp32_from_float16_groups for m in group}
+        masters = (self.shard_map.master(mp.param) for mp in self.opt.muon_params)
+        return [m for m in masters if m is not None and id(m) in float16]
+
+    def copy_grads_to_masters(self) -> None:
+        """Megatron's copy; the CPU-offloaded masters take their gradients through their
+        device placeholders."""
+        offload = self.opt.masters_offload
+        with offload.grads_assignable() if offload is not None else contextlib.nullcontext():
+            DistributedOptimizer._copy_model_grads_to_main_grads(self.opt)
+
+    def master_grads(self) -> List[torch.Tensor]:
+        return DistributedOptimizer._collect_main_grad_data_for_unscaling(self.opt)
+
+    def copy_masters_to_model(self) -> None:
+        DistributedOptimizer._copy_main_params_to_model_params(self.opt)
+
+    def start_param_sync(self) -> None:
+        """All-gather the parameters of the bucket groups built from this optimizer's own
+        buffers (dense or expert-parallel); left to DDP when it overlaps the gather with the
+        next forward (``overlap_param_gather``).
+
+        Megatron's ``start_param_sync_for_bucket_group_subset`` walks every bucket group of
+        every model chunk, skipping only those tagged ``is_managed_by_layer_wise_optimizer``;
+        ours tags its owner-aligned buffers the same way and updates them itself, so the tag
+        says nothing here. Walking every group would all-gather each one once per chained
+        optimizer: twice per step with experts."""
+        opt = self.opt
+        if opt.ddp_config.overlap_param_gather:
+            return
+        mine = {id(bucket) for buffer in opt.buffers for bucket in buffer.buckets}
+        with megatron_timer(opt.config, "params-all-gather"):
+            for model_chunk in opt.model_chunks:
+                for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
+                    if any(id(bucket) in mine for bucket in bucket_group.buckets):
+                        model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
+
+    def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
+        return optimizer_sharded_state(chain, model_sharded_state_dict, is_loading)
+
+    def load_state_dict(self, chain, state_dict: Dict[str, Any]) -> None:
+        load_optimizer_state(chain, state_dict)
