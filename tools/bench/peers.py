@@ -300,7 +300,7 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
     out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0)
     for o in muon:
         if o.masters_offload is None:
-            master_bytes = sum(m.numel() * m.element_size() for m in o.float16_muon_masters())
+            master_bytes = sum(m.numel() * m.element_size() for m in o.storage.float16_masters())
             out["device_idle"] += master_bytes
             out["device_step_peak"] += master_bytes
         else:  # on the device only the shared one-element placeholder, no master values
