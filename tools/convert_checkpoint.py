@@ -8,8 +8,11 @@ python tools/convert_checkpoint.py experts SRC.pt DST.pt --to sequential|legacy_
 python tools/convert_checkpoint.py inspect CKPT
 """
 
-from megatron_muon.megatron_lm.convert import main
-from megatron_muon.megatron_lm.process_lifetime import tie_children_to_this_process
+from megatron_muon.megatron_lm import cpu
+
+with cpu.plain_fused_functions():  # Megatron-core's first import; the converter runs no model code
+    from megatron_muon.megatron_lm.convert import main
+    from megatron_muon.megatron_lm.process_lifetime import tie_children_to_this_process
 
 if __name__ == "__main__":
     tie_children_to_this_process()  # Megatron-core's checkpoint writers and the re-save's torchrun end with it

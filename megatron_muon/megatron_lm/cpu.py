@@ -27,8 +27,9 @@ import functools
 import logging
 import os
 import socket
+import sys
 import warnings
-from typing import Any, Dict
+from typing import Any, Dict, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -301,6 +302,38 @@ def set_single_process_rendezvous() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
 
 
+def compiles_on_cpu() -> bool:
+    """Whether the CPU path compiles (``MEGATRON_MUON_CPU_COMPILE=1``); off by default:
+    compiling Megatron's fused functions costs seconds each on the CPU and gains nothing."""
+    return os.environ.get("MEGATRON_MUON_CPU_COMPILE", "0") == "1"
+
+
+@contextlib.contextmanager
+def plain_fused_functions() -> Iterator[None]:
+    """Import Megatron-core inside this (before anything else imports it), on the CPU path:
+    ``torch.compile`` applied as a decorator returns the function itself meanwhile.
+
+    Megatron-core decorates its fused functions with ``torch.compile``
+    (``megatron.core.jit.jit_fuser``) at import, and the decorator alone imports torch's
+    inductor: about 2 s of CPU per process. On the CPU path dynamo is disabled
+    (:func:`install`), so the compiled functions would run the same Python eagerly anyway.
+    On a GPU, with ``MEGATRON_MUON_CPU_COMPILE=1``, or once Megatron-core is imported, this
+    changes nothing."""
+    if use_cuda() or compiles_on_cpu() or "megatron.core" in sys.modules:
+        yield
+        return
+    compile_ = torch.compile
+
+    def plain(model=None, **kwargs):
+        return model if model is not None else (lambda fn: fn)
+
+    torch.compile = plain
+    try:
+        yield
+    finally:
+        torch.compile = compile_
+
+
 # --------------------------------------------------------------------------------------
 # Megatron-LM's training code on the CPU
 # --------------------------------------------------------------------------------------
@@ -424,7 +457,6 @@ def install() -> bool:
     no_device_architecture()
     no_premul_sum()
     quiet_cpu_rng_warning()
-    # Megatron's jit_fuser compiles each fused function: seconds each on the CPU, no gain.
-    if os.environ.get("MEGATRON_MUON_CPU_COMPILE", "0") != "1":
+    if not compiles_on_cpu():
         torch._dynamo.config.disable = True
     return True

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO
-from tests.helpers.jobs import PRETRAIN, TWO_RANKS, launch, losses, run, tagged_processes
+from tests.helpers.jobs import PRETRAIN, TWO_RANKS, job_env, launch, losses, run, tagged_processes
 
 ROOT = REPO
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
@@ -916,3 +916,28 @@ def test_cpu_patches_each_do_their_one_thing():
         max_conn_changed=False,  # validate_args sets it, unless Megatron-FSDP is on (it requires it unset or > 1)
         idempotent=True,
     )
+
+
+PLAIN_FUSED = """
+import sys, torch
+from megatron_muon.megatron_lm import cpu
+compile_ = torch.compile
+with cpu.plain_fused_functions():
+    from megatron.core import jit
+def f(x):
+    return x
+print(jit.jit_fuser(f) is f, torch.compile is compile_, "torch._inductor" in sys.modules)
+"""
+
+
+def test_megatron_core_imported_for_the_cpu_keeps_its_fused_functions_plain():
+    """On the CPU path (dynamo disabled) Megatron-core's import-time ``torch.compile``
+    decorators return the function itself, so torch's inductor is never imported (about 2 s
+    a process); ``torch.compile`` is torch's again afterwards, and
+    ``MEGATRON_MUON_CPU_COMPILE=1`` keeps Megatron-core's compiled functions."""
+    plain = subprocess.run([sys.executable, "-c", PLAIN_FUSED], env=job_env(), capture_output=True, text=True)
+    assert plain.stdout.split() == ["True", "True", "False"], plain.stderr[-2000:]
+    compiled = subprocess.run(
+        [sys.executable, "-c", PLAIN_FUSED], env=job_env(MEGATRON_MUON_CPU_COMPILE="1"), capture_output=True, text=True
+    )
+    assert compiled.stdout.split() == ["False", "True", "True"], compiled.stderr[-2000:]
