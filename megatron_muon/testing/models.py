@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -220,21 +220,30 @@ def param_region(st, chunks: List[torch.nn.Module]) -> Tuple[torch.nn.Parameter,
     raise KeyError(f"no parameter holds the data of {st.key}")
 
 
-def _seeded_global(key: str, shape: Tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+def _seeded_global(
+    key: str, shape: Tuple[int, ...], seed: int, std: float, device: Union[str, torch.device] = "cpu"
+) -> torch.Tensor:
+    """The canonical tensor of ``key``, drawn on ``device``'s generator: a GPU draws other
+    numbers than the CPU for the same seed, but every rank and peer on it the same ones, and
+    at its speed (a model of 0.5 B parameters took about 30 s per peer on a GPU machine's CPU)."""
     digest = int(hashlib.sha256(f"{seed}:{key}".encode()).hexdigest()[:15], 16)
-    gen = torch.Generator().manual_seed(digest)
+    gen = torch.Generator(device=device).manual_seed(digest)
     if key.endswith("layer_norm_weight") or key.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
-    return std * torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
+    return std * torch.randn(shape, generator=gen, device=device)
 
 
 @torch.no_grad()
 def canonical_init_(chunks: List[torch.nn.Module], seed: int = 0, std: float = 0.05) -> None:
-    """Overwrite every parameter with a slice of a seeded tensor of its global shape."""
+    """Overwrite every parameter with a slice of a seeded tensor of its global shape. A key's
+    global tensor stacks every layer (and expert) of it: drawn once, then sliced per layer."""
+    drawn: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
     for chunk in chunks:
         for st in _sharded_tensors(chunk):
-            full = _seeded_global(st.key, st.global_shape, seed, std)
-            st.data.copy_(full[st.global_slice()].reshape(st.data.shape))
+            at = (st.key, tuple(st.global_shape))
+            if at not in drawn:
+                drawn[at] = _seeded_global(st.key, st.global_shape, seed, std, st.data.device)
+            st.data.copy_(drawn[at][st.global_slice()].reshape(st.data.shape))
 
 
 @torch.no_grad()

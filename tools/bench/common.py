@@ -68,6 +68,9 @@ def environment(device: str) -> Dict[str, Any]:
     import torch
 
     versions = {"torch": torch.__version__, "python": platform.python_version()}
+    if device == "cuda":
+        versions["cuda"] = torch.version.cuda
+        versions["cudnn"] = torch.backends.cudnn.version()
     for package in ("megatron.core", "emerging_optimizers"):
         with contextlib.suppress(Exception):
             module = __import__(package, fromlist=["__version__"])
@@ -237,7 +240,8 @@ def human_bytes(n: float) -> str:
 
 def provenance(env: Dict[str, Any]) -> str:
     """One markdown line: when, where and how a result was produced."""
-    return f"_{env['date']}, {env['device_name']}, torch {env['versions'].get('torch')}; command: `{env['command']}`_"
+    cuda = f", CUDA {env['versions']['cuda']}" if env["versions"].get("cuda") else ""
+    return f"_{env['date']}, {env['device_name']}, torch {env['versions'].get('torch')}{cuda}; command: `{env['command']}`_"
 
 
 def write_outputs(out_dir: Path, name: str, data: Dict[str, Any], markdown: str) -> Dict[str, Path]:

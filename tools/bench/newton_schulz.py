@@ -28,7 +28,13 @@ Shapes: real model matrices (Llama-3 8B's 4096x4096 and 4096x14336, a stack of 6
 DeepSeek-V3-style experts 2048x7168, DeepSeek-V3's dense fc1 7168x36864 and MLA query
 up-projection 1536x24576) on a GPU; ``--quick`` (the CPU default) divides every side by 16
 and the expert count by 8, since the real shapes take minutes per call on a CPU (plus a
-256x1024, aspect ratio exactly 4).
+256x1024, aspect ratio exactly 4). ``--shapes recipes``: the logical matrices Muon sees in
+recipes' models (``--recipes``), as our layout rules split them (Q/K/V parts, per-expert
+matrices, MLA parts), the shapes that carry most of each model's Newton–Schulz FLOPs;
+experts as stacks, as the planner batches them.
+
+On a GPU the fraction of peak is taken against the bf16 matrix-multiply rate measured in
+the same run (an 8192-cube GEMM, median call); the datasheet peak is recorded beside it.
 
 A second table puts Gram NS next to standard NS per shape: counted FLOPs
 (``newton_schulz_flops(method=...)``), the ratio of the median call times (the two take
@@ -41,10 +47,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -74,6 +81,48 @@ STEPS = 5
 KJ = (3.4445, -4.7750, 2.0315)
 
 
+RECIPES = ("llama3_8b", "moonlight_16b_a3b", "deepseek_v3")
+STACK_BYTES = 1 << 30
+"""The largest fp32 input stack a recipe shape is timed with (experts come in hundreds)."""
+
+
+def recipe_shapes(recipes: Sequence[str], per_recipe: int = 2) -> List[Tuple[str, int, int, int]]:
+    """(label, batch, rows, cols) of the logical matrices Muon sees in each recipe's model
+    (TP1: our Newton–Schulz runs on whole matrices), the ``per_recipe`` shapes with the most
+    Newton–Schulz FLOPs per model and, for MLA models, the MLA part with the most; a shape's stack is its count per layer (at most
+    ``STACK_BYTES`` of fp32 input). Reads the recipes through Megatron-LM's own parser."""
+    from collections import Counter
+
+    from megatron_muon import MuonConfig
+    from megatron_muon.newton_schulz import newton_schulz_flops
+    from tools.bench import model_shapes, scale_model
+
+    cfg = MuonConfig(lr=0.01)
+    out = []
+    for recipe in recipes:
+        m = model_shapes.from_recipe(recipe, gpus=1, tp=1, pp=1, ep=1)
+        count: Counter = Counter()
+        mla = set()
+        for sp in model_shapes.stage_params(m, 0, 1, 1, 1, 1):
+            if sp.is_matrix:
+                for lm in scale_model._logical(sp, m, cfg, 1).matrices:
+                    count[(tuple(lm.ns_shape), sp.expert)] += 1
+                    if sp.parent_kind == "mla":
+                        mla.add((tuple(lm.ns_shape), sp.expert))
+        flops = {key: n * newton_schulz_flops(*key[0], STEPS) for key, n in count.items()}
+        ranked = sorted(flops, key=flops.get, reverse=True)
+        chosen = ranked[:per_recipe] + [k for k in ranked if k in mla][:1]  # an MLA part, where there is one
+        for (rows, cols), expert in dict.fromkeys(chosen):
+            layers = sum(1 for n in m.moe_pattern if n) if expert else m.num_layers
+            per_layer = max(1, count[((rows, cols), expert)] // max(layers, 1))
+            batch = max(1, min(per_layer, STACK_BYTES // (4 * rows * cols)))
+            what = f"{batch} experts" if expert else (f"{batch} per layer" if batch > 1 else "")
+            if ((rows, cols), expert) in mla:
+                what = ", ".join(filter(None, ["MLA", what]))
+            out.append((f"{recipe} {rows}x{cols}" + (f" ({what})" if what else ""), batch, rows, cols))
+    return out
+
+
 def gpu_peak_tflops(name: str) -> Optional[float]:
     for key, peak in PEAKS:
         if key in name:
@@ -81,13 +130,15 @@ def gpu_peak_tflops(name: str) -> Optional[float]:
     return None
 
 
-def measured_matmul_tflops(device: str, size: int, reps: int = 5) -> float:
-    """Best bf16 GEMM rate of this device over ``reps`` calls (the peak's stand-in on a CPU)."""
+def measured_matmul_tflops(device: str, size: int, reps: int = 5, stat: str = "best") -> float:
+    """bf16 GEMM rate of this device over ``reps`` calls after three warm-up calls, from the
+    fastest (``stat="best"``) or the median call: the peak the fractions are taken against."""
     import torch
 
     a = torch.randn(size, size, device=device).bfloat16()
     b = torch.randn(size, size, device=device).bfloat16()
-    a @ b
+    for _ in range(3):
+        a @ b
     times = []
     for _ in range(reps):
         common.synchronize(device)
@@ -95,7 +146,7 @@ def measured_matmul_tflops(device: str, size: int, reps: int = 5) -> float:
         a @ b
         common.synchronize(device)
         times.append(time.perf_counter() - t0)
-    return 2 * size**3 / min(times) / 1e12
+    return 2 * size**3 / (min(times) if stat == "best" else common.median(times)) / 1e12
 
 
 @contextlib.contextmanager
@@ -173,7 +224,8 @@ def time_interleaved(fns: Dict[str, Callable], x, device: str, warmup: int, reps
     return times
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def run(args: argparse.Namespace, progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, Any]:
+    """Every shape's timings; ``progress`` gets the rows so far after each shape."""
     import torch
 
     from megatron_muon.newton_schulz import newton_schulz, newton_schulz_flops
@@ -184,31 +236,48 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         # as soon as another process wants the same cores.
         torch.set_num_threads(args.threads)
     quick = args.quick or (device == "cpu" and not args.full)
-    shapes = QUICK_SHAPES if quick else FULL_SHAPES
+    if args.shapes == "recipes":
+        shapes = recipe_shapes([r.strip() for r in args.recipes.split(",")])
+    else:
+        shapes = QUICK_SHAPES if quick else FULL_SHAPES
     warmup, reps = (2, 9) if quick else (3, 10)
     warmup, reps = args.warmup if args.warmup is not None else warmup, args.reps or reps
+    datasheet = None
     if device == "cpu":
         peak = measured_matmul_tflops(device, 1024 if quick else 2048)
         peak_note = f"measured bf16 GEMM rate of this CPU, {args.threads} thread(s)"
     else:
-        peak = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name())
-        peak_note = (
-            "dense bf16 peak of " + torch.cuda.get_device_name() if peak else "unknown device: pass --peak-tflops"
+        datasheet = args.peak_tflops or gpu_peak_tflops(torch.cuda.get_device_name())
+        peak = measured_matmul_tflops(device, 8192, reps=10, stat="median")
+        peak_note = f"measured bf16 GEMM rate of this {torch.cuda.get_device_name()}, 8192-cube, median call" + (
+            f"; datasheet {datasheet:.0f} TFLOP/s" if datasheet else ""
         )
-    impls = implementations(device, args.compile if args.compile is not None else device == "cuda")
+    wanted = [n.strip() for n in args.impls.split(",")] if args.impls else []
+    compile_ours = (
+        args.compile if args.compile is not None else device == "cuda" or any("compiled" in n for n in wanted)
+    )
+    impls = implementations(device, compile_ours)
+    if wanted:
+        unknown = sorted(set(wanted) - set(impls) - {"megatron_muon", "megatron_muon gram"})
+        if unknown:
+            raise SystemExit(f"--impls: unknown {unknown}; choose from {sorted(impls)}")
+        # ours (standard and Gram, eager) stay: the speed-ups and the Gram table are taken against them
+        impls = {n: v for n, v in impls.items() if n in wanted or n in ("megatron_muon", "megatron_muon gram")}
     # A shared CPU's other processes slow random calls down; the fastest call is the
     # undisturbed cost there. A GPU is ours alone: the median.
     stat = args.stat or ("best" if device == "cpu" else "median")
     gen = torch.Generator(device=device).manual_seed(0)
-    rows = []
+    rows: List[Dict[str, Any]] = []
+    done = []
     for label, batch, m, n in shapes:
         shape = (batch, m, n) if batch > 1 else (m, n)
         x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
-        flops = newton_schulz_flops(m, n, STEPS, batch)
         reference = newton_schulz(x, STEPS, "quintic", torch.float32)
         available = {name: fn for name, (fn, _) in impls.items() if fn is not None}
         seconds = time_interleaved(available, x, device, warmup, reps)
         for name, (fn, note) in impls.items():
+            # Gram Newton–Schulz does fewer FLOPs for the same result: its rate counts its own.
+            flops = newton_schulz_flops(m, n, STEPS, batch, "gram" if "gram" in name else "standard")
             row: Dict[str, Any] = dict(shape=label, batch=batch, m=m, n=n, impl=name, note=note, flops=flops)
             if fn is None:
                 row.update(ms=None, best_ms=None, tflops=None, peak_fraction=None, rel_err=None)
@@ -225,8 +294,11 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
                 )
             rows.append(row)
         del x, reference
+        done.append((label, batch, m, n))
+        if progress is not None:
+            progress(dict(rows=rows, shapes_done=len(done), shapes=len(shapes), peak_tflops=peak, peak_note=peak_note))
     key = "best_ms" if stat == "best" else "ms"
-    gram = gram_rows(rows, shapes, device, gen)
+    gram = gram_rows(rows, done, device, gen)
     ours = {r["shape"]: r[key] for r in rows if r["impl"] == "megatron_muon"}
     for r in rows:
         r["speedup_of_ours"] = r[key] / ours[r["shape"]] if r[key] else None
@@ -236,6 +308,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         steps=STEPS,
         peak_tflops=peak,
         peak_note=peak_note,
+        datasheet_peak_tflops=datasheet,
+        shape_set=args.shapes if args.shapes == "recipes" else ("quick" if quick else "full"),
         warmup=warmup,
         reps=reps,
         stat=stat,
@@ -350,7 +424,11 @@ def markdown(data: Dict[str, Any]) -> str:
         ],
     )
     sizes = (
-        "quick sizes (every side / 16, experts / 8; the real shapes are for GPUs)" if data["quick"] else "real sizes"
+        "the recipes' logical matrices (TP1)"
+        if data.get("shape_set") == "recipes"
+        else "quick sizes (every side / 16, experts / 8; the real shapes are for GPUs)"
+        if data["quick"]
+        else "real sizes"
     )
     return (
         f"{data['steps']} Newton–Schulz steps, bf16 compute, fp32 input, {sizes}; {data['reps']} calls per "
@@ -383,6 +461,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=["median", "best"],
         help="which call sets the rates (default: best on a CPU shared with other work, median on a GPU)",
     )
+    p.add_argument(
+        "--shapes",
+        choices=["sizes", "recipes"],
+        default="sizes",
+        help="sizes: the fixed list (quick or full); recipes: the logical matrices of --recipes' models",
+    )
+    p.add_argument("--recipes", default=",".join(RECIPES), help="with --shapes recipes (comma-separated)")
+    p.add_argument(
+        "--impls", help="comma-separated implementations to time besides ours (default: all that are available)"
+    )
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="newton_schulz")
     return p.parse_args(argv)
@@ -390,7 +478,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> Dict[str, Any]:
     args = parse_args(argv)
-    data = run(args)
+    partial = args.out / f"{args.name}.partial.json"
+
+    def progress(so_far: Dict[str, Any]) -> None:  # what a time box that stops us keeps
+        args.out.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(so_far, default=str) + "\n")
+
+    data = run(args, progress)
+    partial.unlink(missing_ok=True)
     paths = common.write_outputs(args.out, args.name, data, markdown(data))
     rows = [[r["shape"], r["impl"], r["ms"], r["tflops"], r["peak_fraction"]] for r in data["rows"]]
     print(common.text_table(["shape", "implementation", "ms", "TFLOP/s", "of peak"], rows))

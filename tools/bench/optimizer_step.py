@@ -122,10 +122,16 @@ def _time_peers(
     """Step times, bytes per step and optimizer memory of every peer. Interleaved, every
     peer is built first and the peers take turns step by step, so load from other
     processes on a shared machine falls on all of them alike."""
+    import torch
+
     results: Dict[str, Dict[str, Any]] = {n: dict(step_s=[], train_s=[]) for n in names}
     groups = [names] if interleave else [[n] for n in names]
     for group in groups:
+        started = time.perf_counter()
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         built = {n: peers.build(n, spec, hyper) for n in group}
+        _progress(f"built {', '.join(group)} in {time.perf_counter() - started:.1f} s")
         for i in range(warmup + steps):
             for n in group:
                 step, train = _train_step(n, built[n], tokens, mbs, spec, device)
@@ -148,14 +154,23 @@ def _time_peers(
                 memory=peers.optimizer_state_bytes(opt),
                 held=peers.held_bytes(model, opt),
                 residency=peers.muon_state_residency(opt),
+                # Peak device memory of the peer's whole run (model, activations, optimizer;
+                # one peer at a time when not interleaved).
+                peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
             )
+        _progress(f"timed {', '.join(group)} ({time.perf_counter() - started:.1f} s with the build)")
         del built
         gc.collect()
         if device == "cuda":
-            import torch
-
             torch.cuda.empty_cache()
     return results
+
+
+def _progress(message: str) -> None:
+    """A line on the main rank's output as each stage ends (a time box that stops the run
+    shows how far it got)."""
+    if common.is_main_process():
+        print(f"[optimizer_step] {message}", flush=True)
 
 
 def _probe_peer(
@@ -223,7 +238,7 @@ def rank_main(
         attention=peers.attention_dims(M.transformer_config(spec)),
     )
     want_grads = True
-    for name in names:
+    for name in names if probe_layers != 0 else []:
         if peers.is_muon_peer(name) and not peers.is_fsdp_peer(name):  # the probe reads whole TP pieces
             out["probe"][name] = _probe_peer(name, spec, tokens, mbs, probe_layers, want_grads, chunk_numel)
             want_grads = False  # the same model and batch: the gradient is the same for all
@@ -335,6 +350,7 @@ def summarize(ranks: List[Dict[str, Any]], names: List[str]) -> Dict[str, Dict[s
             held_max={k: max(r["held"][k] for r in per_rank) for k in per_rank[0]["held"]},
             memory_max=max(memory),
             memory_mean=sum(memory) / world,
+            peak_bytes_max=max((r.get("peak_bytes") or 0) for r in per_rank) or None,
         )
         residency = [r.get("residency") for r in per_rank]
         if all(x is not None for x in residency):
@@ -577,7 +593,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--gbs", type=int, default=8, help="global batch size")
     p.add_argument("--mbs", type=int, default=2, help="micro-batch size")
-    p.add_argument("--probe-layers", type=int, help="orthogonalization error on the first N layers (default: all)")
+    p.add_argument(
+        "--probe-layers", type=int, help="orthogonalization error on the first N layers (default: all; 0: no probe)"
+    )
     p.add_argument(
         "--interleave",
         action=argparse.BooleanOptionalAction,

@@ -31,7 +31,15 @@ from tools.bench import common
 
 HERE = Path(__file__).resolve().parent
 DOCS = common.REPO_ROOT / "docs" / "benchmarks.md"
-SECTIONS = ("optimizer_step", "optimizer_step_gpu", "newton_schulz", "overlap_trace", "scale_model", "run_all")
+SECTIONS = (
+    "gpu_check",
+    "optimizer_step",
+    "optimizer_step_gpu",
+    "newton_schulz",
+    "overlap_trace",
+    "scale_model",
+    "run_all",
+)
 IMAGES = {
     "optimizer_step": ["optimizer_step_time.png", "optimizer_step_bytes.png", "optimizer_step_error.png"],
     "optimizer_step_gpu": ["optimizer_step_gpu_time.png"],
@@ -105,6 +113,11 @@ def _block(name: str, out: Path, docs: Path) -> str:
         data = json.loads(path.read_text())
         rows = [[k, v] for k, v in data["seconds"].items()] + [["total", data["total_s"]]]
         return f"{common.provenance(data['env'])}\n\n" + common.md_table(["step", "seconds"], rows)
+    if name == "gpu_check":  # its own command (gpu_check.py), rendered from its JSON
+        from tools.bench import gpu_check
+
+        path = out / "gpu_check.json"
+        return gpu_check.markdown(json.loads(path.read_text())).rstrip() if path.exists() else "_not run yet_"
     md = out / f"{name}.md"
     if not md.exists():
         return "_not run yet (GPU box only)_" if name.endswith("_gpu") else "_not run yet_"
