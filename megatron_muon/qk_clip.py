@@ -142,6 +142,11 @@ class QKClip:
             return None
         if tconfig.qk_clip and not 0.0 < tconfig.qk_clip_alpha < 1.0:
             raise ValueError(f"qk_clip_alpha must be in (0, 1), got {tconfig.qk_clip_alpha}.")
+        if tconfig.qk_clip and not (math.isfinite(tconfig.qk_clip_threshold) and tconfig.qk_clip_threshold > 0):
+            raise ValueError(
+                f"qk_clip_threshold must be a finite number > 0 (TransformerConfig.qk_clip_threshold; the default is "
+                f"100), got {tconfig.qk_clip_threshold}."
+            )
         layers = []
         for i, chunk in enumerate(model_chunks):
             for name, module in unwrap(chunk).named_modules():

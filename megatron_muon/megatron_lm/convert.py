@@ -114,6 +114,18 @@ def is_muon_key(key: str, exclude: Iterable[str] = (), router: bool = False) -> 
     return is_muon_matrix(key, 2 if _LINEAR_WEIGHT.search(key) else 1, role, tuple(exclude), router)
 
 
+def megatron_parts(opt_common: Any) -> List[Dict[str, Any]]:
+    """Megatron's distributed optimizers in a checkpoint's common ``optimizer`` entry: one,
+    or with expert parallelism the chained dense and expert ones (``{0: ..., 1: ...}``)."""
+    if isinstance(opt_common, dict) and opt_common and all(isinstance(k, int) for k in opt_common):
+        return [opt_common[k] for k in sorted(opt_common)]
+    return [opt_common]
+
+
+CHAIN = ("dense", "expert")
+"""Our optimizers' names in the order of Megatron's chain (``factory``: dense, then expert)."""
+
+
 def adam_to_muon(
     src: str,
     dst: str,
@@ -142,22 +154,18 @@ def adam_to_muon(
         raise CheckpointError(f"{source} already holds Muon optimizer state (muon-to-adam converts it to AdamW).")
     if optimizer_kind(opt_common) != "megatron":
         raise CheckpointError(f"{source} holds no Megatron distributed-optimizer state (saved with --no-save-optim?)")
-    if "param_state_sharding_type" not in opt_common:
-        raise CheckpointError(
-            f"{source} holds Megatron's chained dense and expert optimizers (expert parallelism): converting those "
-            "to Muon is not supported yet; load its weights alone with --optimizer muon --no-load-optim"
-        )
     with owned(dst, "tools/convert_checkpoint.py adam-to-muon") as (into, lock):
         check_destination(into, iteration, overwrite)
         if fsdp:  # Megatron-FSDP's format is parameter by parameter already
             ckpt = read_fsdp_dtensor(source, adam=True)
-        elif opt_common["param_state_sharding_type"] == "fully_reshardable":
+        elif all(part["param_state_sharding_type"] == "fully_reshardable" for part in megatron_parts(opt_common)):
             ckpt = read_checkpoint(source)
         else:  # Megatron-LM's default (DDP buckets): Megatron-LM re-saves it parameter by parameter
             ckpt = _read_resaved(source, iteration, common, into)
-        opt_common = ckpt.common.get("optimizer", {})
-        groups = opt_common.get("optimizer", {}).get("param_groups", [])
-        step = int(max((g.get("step", 0) for g in groups), default=0))
+        # One optimizer, or with expert parallelism Megatron's chain of the dense and the expert one.
+        parts = megatron_parts(ckpt.common.get("optimizer", {}))
+        part_groups = [part.get("optimizer", {}).get("param_groups", []) for part in parts]
+        step = int(max((g.get("step", 0) for groups in part_groups for g in groups), default=0))
         if iteration and step > iteration:
             # At most one optimizer step per iteration. torch's AdamW under Megatron-core 0.19.2
             # (no TE / Apex) counted a step once per parameter after a resume (fixed in our CPU
@@ -173,8 +181,11 @@ def adam_to_muon(
                 exp_avg.clone() if momentum == "exp_avg" else torch.zeros_like(exp_avg)
             )
             converted += 1
-        dense = {"grad_scaler": opt_common.get("grad_scaler"), "param_groups": groups}
-        ckpt.common["optimizer"] = dict(common_state(step, {"dense": dense}, {}), converted_from="megatron_adam")
+        optimizers = {
+            name: {"grad_scaler": part.get("grad_scaler"), "param_groups": groups}
+            for name, part, groups in zip(CHAIN, parts, part_groups)
+        }
+        ckpt.common["optimizer"] = dict(common_state(step, optimizers, {}), converted_from="megatron_adam")
         _retarget_args(ckpt, "muon")
         publish_iteration(into, iteration, _write(fsdp, ckpt), lock, verified)
     written = os.path.join(dst, iteration_dir_name(iteration))
@@ -255,20 +266,27 @@ def muon_to_adam(
             "of those parameters will be about lr in size per element."
         )
         step = int(opt_common.get("step", 0))
-        groups = []
-        for common in opt_common.get("optimizers", {}).values():
-            for group in common.get("param_groups", []):
-                group = {k: v for k, v in group.items() if k not in ("params", "muon")}
-                group["step"] = float(step)
-                if group not in groups:
-                    groups.append(group)
-        dense = opt_common.get("optimizers", {}).get("dense", {})
-        ckpt.common["optimizer"] = {
-            "optimizer": {"param_groups": groups},
-            "param_state_sharding_type": "fully_reshardable",
-        }
-        if dense.get("grad_scaler") is not None:
-            ckpt.common["optimizer"]["grad_scaler"] = dense["grad_scaler"]
+        optimizers = opt_common.get("optimizers", {})
+
+        def megatron_part(names: Iterable[str]) -> Dict[str, Any]:
+            """Megatron's common state of one distributed optimizer holding ``names``' groups."""
+            groups = []
+            for name in names:
+                for group in optimizers[name].get("param_groups", []):
+                    group = {k: v for k, v in group.items() if k not in ("params", "muon")}
+                    group["step"] = float(step)
+                    if group not in groups:
+                        groups.append(group)
+            part = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+            scaler = optimizers[next(iter(names))].get("grad_scaler")
+            if scaler is not None:
+                part["grad_scaler"] = scaler
+            return part
+
+        if "expert" in optimizers:  # expert parallelism: Megatron's chain, dense then expert
+            ckpt.common["optimizer"] = {i: megatron_part([name]) for i, name in enumerate(CHAIN)}
+        else:
+            ckpt.common["optimizer"] = megatron_part(list(optimizers))
         if isinstance(ckpt.common.get("content_metadata"), dict):  # Megatron-LM loads by this label
             ckpt.common["content_metadata"] = dict(
                 ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable"

@@ -57,6 +57,30 @@ def check_tokenizer(args: argparse.Namespace) -> None:
         )
 
 
+DATA_PATH_FLAGS = ("data_path", "train_data_path", "valid_data_path", "test_data_path")
+
+
+def check_data_prefixes(args: argparse.Namespace) -> None:
+    """Every local ``--data-path`` prefix (and the per-split ones) names an indexed dataset
+    (``PREFIX.bin`` and ``PREFIX.idx``); Megatron-LM finds a missing one only once the model is
+    built, as a bare assertion. Blend weights and remote paths (``scheme://``) are skipped."""
+    if getattr(args, "mock_data", False):
+        return
+    for flag in DATA_PATH_FLAGS:
+        for item in getattr(args, flag, None) or []:
+            try:
+                float(item)
+                continue  # a blend weight
+            except ValueError:
+                pass
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(item + ext)]
+            if "://" not in item and missing:
+                raise CorpusError(
+                    f"--{flag.replace('_', '-')} {item}: {' and '.join(item + e for e in missing)} not found; give the "
+                    "prefix of a dataset that tools/preprocess_data.py wrote (PREFIX.bin and PREFIX.idx)"
+                )
+
+
 def cache_dir(args: argparse.Namespace) -> Path:
     if args.data_cache_path:
         return Path(args.data_cache_path)

@@ -179,6 +179,11 @@ def check_supported(args: argparse.Namespace) -> None:
             "does not support Torch FSDP2 (nor does Megatron-LM's distributed optimizer): use --use-megatron-fsdp",
         ),
         (
+            on("use_megatron_fsdp") and (on("muon_cpu_offload") or on("optimizer_cpu_offload")),
+            "does not offload to the CPU on Megatron-FSDP (which already shards the fp32 masters, gradients and "
+            "parameters over the data-parallel ranks): drop --muon-cpu-offload / --optimizer-cpu-offload",
+        ),
+        (
             on("optimizer_cpu_offload") and not on("muon_cpu_offload"),
             "offloads with --optimizer-cpu-offload "
             "only together with --muon-cpu-offload (the Muon momentum and fp32 masters go to the CPU): add it",
@@ -268,11 +273,13 @@ def _wrap_validate_args(original: Callable, module: Any, installed: _Installatio
             _check_megatron_choices(args)
             return original(args, *a, **kw)
         check_supported(args)
-        # validate_args ends by printing the arguments: they must show what runs.
+        # validate_args ends by printing the arguments (hundreds of lines): printed once our
+        # checks below have passed (a bad --muon-* value is then the last line), showing what runs.
         print_args = getattr(module, "_print_args", None)
+        deferred: List[Tuple[tuple, dict]] = []
         args.optimizer = "adam"
         if print_args is not None:
-            module._print_args = lambda *pa, **pkw: (_as_ours(args), print_args(*pa, **pkw))
+            module._print_args = lambda *pa, **pkw: deferred.append((pa, pkw))
         try:
             result = original(args, *a, **kw)
         finally:
@@ -286,6 +293,8 @@ def _wrap_validate_args(original: Callable, module: Any, installed: _Installatio
                 "(--freeze-all-layers?), which --optimizer muon needs."
             )
         installed.muon_config = muon_config_from_megatron(args)  # bad --muon-* values fail here
+        for pa, pkw in deferred:
+            print_args(*pa, **pkw)
         return result
 
     return validate_args

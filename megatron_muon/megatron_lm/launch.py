@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import io
 import math
 import os
@@ -168,18 +169,53 @@ def sample_based(recipe: dict, global_batch_size: Optional[str]) -> dict:
 
 def check_values(args: argparse.Namespace) -> None:
     """Values Megatron-LM reports late, under another flag's name (``--lr -0.01`` and
-    ``--lr nan`` fail its ``min_lr <= lr`` check) or not at all: one line naming the flag."""
+    ``--lr nan`` fail its ``min_lr <= lr`` check) or not at all (QK-Clip's threshold and
+    alpha, whose checks :func:`install_launch_validation` hides with the flag): one line
+    naming the flag."""
     from .integration import _ours
 
     for flag in ("lr", "min_lr"):
         value = getattr(args, flag, None)
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"--{flag.replace('_', '-')} {value} is invalid: use a finite number >= 0")
+    check_schedule(args)
+    if getattr(args, "qk_clip", False):  # Megatron-LM's own checks of these are hidden with ours (see below)
+        threshold, alpha = args.qk_clip_threshold, args.qk_clip_alpha
+        if not (math.isfinite(threshold) and threshold > 0):
+            raise ValueError(
+                f"--qk-clip-threshold {threshold} is invalid: QK-Clip scales down a head whose max attention logit "
+                "exceeds it; use a finite number > 0 (the default is 100)"
+            )
+        if not (math.isfinite(alpha) and 0 < alpha < 1):
+            raise ValueError(
+                f"--qk-clip-alpha {alpha} is invalid: the query takes gamma^alpha of a clip and the key the rest; "
+                "use a number in (0, 1) (the default is 0.5)"
+            )
     if getattr(args, "qk_clip", False) and getattr(args, "use_distributed_optimizer", False) and not _ours(args):
         raise ValueError(
             f"--qk-clip with --optimizer {args.optimizer}: Megatron-core's QK-Clip scales the model weights, which "
             "the distributed optimizer's fp32 masters overwrite at the next step; use --optimizer muon "
             "(megatron_muon clips the masters) or drop --qk-clip"
+        )
+
+
+def check_schedule(args: argparse.Namespace) -> None:
+    """The learning-rate warm-up ends before the decay does, counted as Megatron-LM's
+    scheduler counts them (it asserts this once the model is built, without a message)."""
+    if getattr(args, "lr_warmup_fraction", None) is not None:
+        return
+    if getattr(args, "train_iters", None):
+        unit, decay, warmup = "iters", args.lr_decay_iters or args.train_iters, args.lr_warmup_iters
+        decay_flag = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+    elif getattr(args, "train_samples", None):
+        unit, decay, warmup = "samples", args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
+        decay_flag = "--lr-decay-samples" if args.lr_decay_samples else "--train-samples"
+    else:
+        return
+    if warmup >= decay:
+        raise ValueError(
+            f"--lr-warmup-{unit} {warmup} is not below the learning-rate decay's {decay} {unit} ({decay_flag}): "
+            f"Megatron-LM's scheduler warms up before it decays; lower --lr-warmup-{unit} or raise {decay_flag}"
         )
 
 
@@ -226,10 +262,10 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
     ends the process with one line and exit code 2 (:func:`_megatron_argv`), nothing built."""
     from megatron.training.arguments import parse_and_validate_args
 
-    with _megatron_argv(argv), _checked_after_parsing(check_runnable_here, check_save_directory):
+    checks = (check_runnable_here, check_save_directory, check_checkpoint_to_load, corpus.check_data_prefixes)
+    with _megatron_argv(argv), _checked_after_parsing(*checks):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
-        check_checkpoint_to_load(args)
         check_checkpoint_format(args)
         check_optimizer_to_load(args)
         take_save_directory(args, shlex.join([os.path.basename(sys.argv[0]), *argv]))
@@ -259,11 +295,25 @@ def _checked_after_parsing(*checks):
         arguments.parse_args = original
 
 
+OPTIONAL_PACKAGES = (
+    ("--wandb-project", lambda args: bool(getattr(args, "wandb_project", None)), "wandb"),
+    (
+        "--tokenizer-type HuggingFaceTokenizer",
+        lambda args: getattr(args, "tokenizer_type", None) == "HuggingFaceTokenizer",
+        "transformers",
+    ),
+)
+"""(flag, whether the arguments ask for it, package): what Megatron-LM imports only once it
+runs (wandb when its writer starts, transformers when it builds the tokenizer), named here
+before anything is built."""
+
+
 def check_runnable_here(args: argparse.Namespace) -> None:
     """What this machine cannot run, refused before any model is built (Megatron would fail
     late, deep in its code, or ignore the flag): transformer-engine's implementation without
-    transformer-engine; on gloo (no GPU) the all-to-all token dispatcher, grouped GEMM and
-    the flash / fused attention backends."""
+    transformer-engine; an optional package a flag needs (:data:`OPTIONAL_PACKAGES`); on gloo
+    (no GPU) the all-to-all token dispatcher, grouped GEMM and the flash / fused attention
+    backends."""
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_muon.layer_specs import transformer_engine_available
@@ -273,6 +323,9 @@ def check_runnable_here(args: argparse.Namespace) -> None:
             "--transformer-impl transformer_engine needs transformer-engine, which is not installed: use "
             "--transformer-impl local (or install megatron-muon[gpu] on a CUDA machine)"
         )
+    for flag, needed, package in OPTIONAL_PACKAGES:
+        if needed(args) and importlib.util.find_spec(package) is None:
+            raise ValueError(f"{flag} needs the {package} package, which is not installed: pip install {package}")
     if cpu.use_cuda():
         return
     experts = getattr(args, "num_experts", None)
@@ -291,22 +344,37 @@ def check_runnable_here(args: argparse.Namespace) -> None:
 
 
 def check_checkpoint_to_load(args: argparse.Namespace) -> None:
-    """With ``--exit-on-missing-checkpoint``, a ``--load`` without a checkpoint fails here
-    (exit code 2, nothing built or written). Megatron-LM stops too, but with ``sys.exit()``,
-    status 0, which a launch script reads as a finished run."""
-    from megatron.training.checkpointing import get_checkpoint_tracker_filename
-
-    if not (args.load and args.exit_on_missing_checkpoint) or os.path.isfile(
-        get_checkpoint_tracker_filename(args.load)
-    ):
+    """A ``--load`` that names no checkpoint stops the job here (exit code 2, nothing built or
+    written) unless it is Megatron-LM's first run of ``--load X --save X``, which starts a
+    new run and says so in one line (as does ``--start-over``). Megatron-LM itself trains
+    from scratch after one warning for any such ``--load``, a typo included, and with
+    ``--exit-on-missing-checkpoint`` stops with ``sys.exit()``, status 0, which a launch
+    script reads as a finished run."""
+    # A tracker, or saved iterations without one (the load path then picks the newest that
+    # verifies: checkpoint_guards), or the iteration --ckpt-step names.
+    if not args.load or holds_a_run(args.load):
         return
-    if args.ckpt_step is not None and os.path.isdir(os.path.join(args.load, f"iter_{args.ckpt_step:07d}")):
+    if args.ckpt_step is not None and os.path.isdir(os.path.join(args.load, iteration_dir_name(args.ckpt_step))):
         return
-    raise ValueError(
-        f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt"
-        f"{'' if args.ckpt_step is None else f' and no iter_{args.ckpt_step:07d}'}) and "
-        "--exit-on-missing-checkpoint is set: check the path"
+    what = (
+        f"--load {args.load} holds no checkpoint (no latest_checkpointed_iteration.txt, no iterations"
+        f"{'' if args.ckpt_step is None else f', no {iteration_dir_name(args.ckpt_step)}'})"
     )
+    if args.exit_on_missing_checkpoint:
+        raise ValueError(f"{what} and --exit-on-missing-checkpoint is set: check the path")
+    first_run = same_directory(args.load, args.save)
+    if not (first_run or args.start_over):
+        raise ValueError(
+            f"{what}: check the path; to start a new run drop --load, or give --load and --save the same "
+            "directory (Megatron-LM's first run), or pass --start-over"
+        )
+    if _first_rank():
+        print(
+            f"megatron_muon: {what}: a new run starts from scratch"
+            + (f" and saves into {args.save}" if args.save else "")
+            + " (--exit-on-missing-checkpoint stops instead)",
+            flush=True,
+        )
 
 
 def _first_rank() -> bool:

@@ -194,13 +194,34 @@ def test_megatron_core_muon_side_by_side_in_bf16(cache):
     assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
 
 
-def test_adamw_with_a_qk_clip_recipe(cache):
-    """The AdamW peer on a recipe that turns QK-Clip on: the recipe's QK-Clip is Muon's, so it
-    is switched off with one line; the max logit is still measured (Megatron-LM's own
-    clip_qk fails on an fp32 model) and training runs."""
-    stdout = run(short_run("tiny_moe_mla", cache, "--optimizer", "adam"))
+@pytest.mark.timeout(600)
+def test_expert_parallel_adamw_run_switches_to_muon_and_back(cache, tmp_path):
+    """The AdamW peer on the MoE + MLA recipe with expert parallelism (EP2, bf16, Megatron-LM's
+    default checkpoint format: the chained dense and expert optimizers, DDP buckets). The
+    recipe's QK-Clip is Muon's, so it is switched off with one line. ``--optimizer muon
+    --load`` of its checkpoint stops at start-up naming the converter; adam-to-muon converts
+    both optimizers of the chain and the Muon run resumes from the same weights (its first
+    loss is AdamW's); muon-to-adam writes Megatron's chain again and AdamW resumes from the
+    Muon run's weights. (A resumed job's second log line averages its first two
+    iterations: compared at the first and third.)"""
+    adam, muon, back = tmp_path / "adam", tmp_path / "muon", tmp_path / "back"
+    job = TWO_RANKS + ["--recipe", "tiny_moe_mla", "--expert-model-parallel-size", "2", "--bf16",
+                       "--train-iters", "6", "--eval-iters", "0", "--data-cache-path", str(cache)]  # fmt: skip
+    stdout = run(job + ["--optimizer", "adam", "--save", str(adam), "--save-interval", "3", "--exit-interval", "4"])
     assert "the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer adam" in stdout
-    assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
+    on_adam = losses(stdout)
+    assert sorted(on_adam) == [1, 2, 3, 4], on_adam
+    refused = launch(job + ["--load", str(adam), "--ckpt-step", "3"], timeout=120)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "holds AdamW state" in said and "convert_checkpoint.py adam-to-muon" in said
+    assert "iteration        4/" not in refused.stdout
+    stats = run(CONVERT + ["adam-to-muon", str(adam / "iter_0000003"), str(muon)])
+    assert "'step': 3" in stats, stats
+    on_muon = losses(run(job + ["--load", str(muon), "--save", str(muon), "--save-interval", "5"], timeout=300))
+    assert sorted(on_muon) == [4, 5, 6] and on_muon[4] == on_adam[4], (on_muon, on_adam)
+    run(CONVERT + ["muon-to-adam", str(muon / "iter_0000005"), str(back)])
+    again = losses(run(job + ["--optimizer", "adam", "--load", str(back)], timeout=300))
+    assert sorted(again) == [6] and again[6] == on_muon[6], (again, on_muon)
 
 
 # ---------------------------------------------------------------------------------------
@@ -422,6 +443,20 @@ def test_wrong_load_with_exit_on_missing_checkpoint_writes_nothing(cache, tmp_pa
     assert "iteration        1/" not in proc.stdout  # no training step ran
 
 
+def test_first_run_of_load_and_save_in_one_directory_says_it_starts_new(cache, tmp_path):
+    """Megatron-LM's convention ``--load X --save X`` on a new X starts a run, with one line
+    that says so (a --load that names no checkpoint elsewhere is refused: BAD_INPUT)."""
+    ckpt = tmp_path / "run"
+    job = ["--recipe", "tiny_gqa", "--train-iters", "3", "--eval-iters", "0", "--data-cache-path", str(cache)]
+    stdout = run(PRETRAIN + job + ["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "3"])
+    said = [line for line in stdout.splitlines() if line.startswith("megatron_muon: --load")]
+    assert said == [
+        f"megatron_muon: --load {ckpt} holds no checkpoint (no latest_checkpointed_iteration.txt, no iterations): "
+        f"a new run starts from scratch and saves into {ckpt} (--exit-on-missing-checkpoint stops instead)"
+    ]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
 BAD_INPUT = [
     (["--recipe", "no_such_recipe"], "unknown recipe 'no_such_recipe'"),
     (["--recipe", "tiny_gqa", "--muon-tp-mode", "bogus"], "--muon-tp-mode: invalid choice: 'bogus'"),
@@ -431,6 +466,13 @@ BAD_INPUT = [
     (["--recipe", "tiny_gqa", "--lr", "-0.01"], "--lr -0.01 is invalid: use a finite number >= 0"),
     # Megatron-core's Muon fails in fp32 in its step (megatron-core 0.19.2)
     (["--recipe", "tiny_gqa", "--muon-impl", "megatron"], "runs only with --bf16"),
+    # Megatron-LM's checks of these are hidden with --qk-clip's (it wants transformer-engine)
+    (
+        ["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-threshold", "-5"],
+        "--qk-clip-threshold -5.0 is invalid: QK-Clip scales down a head whose max attention logit exceeds it",
+    ),
+    (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-threshold", "0"], "--qk-clip-threshold 0.0 is invalid"),
+    (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha 1.5 is invalid"),
     # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
     (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
     # what the CPU path cannot run (Megatron would fail late or ignore the flag)
@@ -450,6 +492,32 @@ BAD_INPUT = [
         "--attention-backend flash needs a GPU",
         marks=NEEDS_NO_GPU,
     ),
+    # Megatron-LM asserts these without a message once the model is built
+    (
+        ["--recipe", "tiny_gqa", "--train-iters", "2"],
+        "--lr-warmup-iters 2 is not below the learning-rate decay's 2 iters (--train-iters)",
+    ),
+    (
+        ["--recipe", "tiny_gqa", "--data-path", "{run}_no_such_prefix"],
+        "_no_such_prefix.idx not found; give the prefix of a dataset that tools/preprocess_data.py wrote",
+    ),
+    (["--recipe", "tiny_gqa", "--data-path", "0.5", "{run}_a", "0.5", "{run}_b"], "run_a.bin and "),
+    # refused before the model is built (the optimizer's own check comes after)
+    (
+        ["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-cpu-offload"],
+        "does not offload to the CPU on Megatron-FSDP",
+    ),
+    # optional packages Megatron-LM imports only once it runs
+    pytest.param(
+        ["--recipe", "tiny_gqa", "--wandb-project", "p"],
+        "--wandb-project needs the wandb package, which is not installed: pip install wandb",
+        marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed"),
+    ),
+    pytest.param(
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "m"],
+        "--tokenizer-type HuggingFaceTokenizer needs the transformers package",
+        marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="installed"),
+    ),
     # a bare assert of Megatron-LM's validation: its source line names the argument
     (
         ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],
@@ -461,6 +529,12 @@ BAD_INPUT = [
         ["--recipe", "tiny_gqa", "--load", "{run}_typo", "--save", "{run}", "--save-interval", "1"],
         "_typo holds no checkpoint: resume it with --load",
     ),
+    # a --load that names no checkpoint (a typo): Megatron-LM would train from scratch
+    (
+        ["--recipe", "tiny_gqa", "--load", "{run}_typo", "--save", "{run}_new", "--save-interval", "1"],
+        "_typo holds no checkpoint (no latest_checkpointed_iteration.txt, no iterations): check the path",
+    ),
+    (["--recipe", "tiny_gqa", "--load", "{run}_typo"], "_typo holds no checkpoint"),
 ]
 
 
@@ -494,11 +568,21 @@ def test_bad_input_one_line_exit_2_before_any_model(bad_input_results, argv, say
     assert "Traceback" not in stderr
 
 
-def test_bad_input_as_a_user_launches_it():
-    proc = launch(PRETRAIN + ["--recipe", "tiny_gqa", "--lr", "nan"], timeout=120)
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--lr", "nan"], "--lr nan is invalid: use a finite number >= 0"),
+        # found after Megatron-LM's own validation, which ends by listing every argument
+        (["--muon-momentum", "1.5"], "muon_momentum=1.5 is invalid; use a number in [0, 1)"),
+    ],
+)
+def test_bad_input_as_a_user_launches_it(flags, says):
+    """One line on stderr, exit code 2, nothing built, and no argument listing before it."""
+    proc = launch(PRETRAIN + ["--recipe", "tiny_gqa", *flags], timeout=120)
     lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and lines == ["pretrain_gpt.py: error: --lr nan is invalid: use a finite number >= 0"]
+    assert proc.returncode == 2 and len(lines) == 1 and says in lines[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and BUILT not in proc.stdout
+    assert " arguments " not in proc.stdout, proc.stdout[:2000]
 
 
 def test_train_samples_overrides_the_recipes_iterations(cache):
