@@ -10,7 +10,8 @@ RMS, so an AdamW learning rate carries over); the schedule keeps the recipe's ``
 (lowered to the learning rate when it is larger). Writes into ``--out``:
 
 * ``loss_curves.png``: training loss per iteration (faint: raw; solid: moving average)
-  and the validation losses, both optimizers;
+  and the validation losses, both optimizers: the whole run, and beside it the curves
+  after their first tenth (``--replot`` draws it again from ``compare.json``);
 * ``compare.md``: peak lr, final train loss (mean of the last 10 iterations), final and
   best validation loss, median tokens/s, and the iterations each run needs to reach
   AdamW's final validation loss (linearly interpolated between evaluations, so good to
@@ -240,38 +241,59 @@ def plot(
     target: Optional[float] = None,
     reach: Optional[float] = None,
 ) -> Path:
-    """Training (raw, faint; moving average, solid) and validation losses of every run."""
+    """Training (raw, faint; moving average, solid) and validation losses of every run: the
+    whole run on the left, the curves after their first steep tenth on the right (where
+    they separate)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, (whole, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw=dict(width_ratios=[1, 2]))
     tops, lows = [], []
     for opt, c in curves.items():
         name = LABELS[opt] + (f" (lr {c['peak_lr']:g})" if c.get("peak_lr") else "")
         its, losses = zip(*c["train"]) if c["train"] else ((), ())
         window = max(1, len(losses) // 30)
         smooth = moving_average(losses, window)
-        ax.plot(its, losses, color=COLORS[opt], alpha=0.2, lw=0.8)
-        ax.plot(its, smooth, color=COLORS[opt], lw=1.8, label=f"{name} train, mean of {window}")
-        if c["valid"]:
-            ax.plot(*zip(*c["valid"]), "o--", color=COLORS[opt], ms=4, lw=1, label=f"{name} validation")
+        for ax in (whole, zoom):
+            ax.plot(its, losses, color=COLORS[opt], alpha=0.2, lw=0.8)
+            ax.plot(its, smooth, color=COLORS[opt], lw=1.8, label=f"{name} train, mean of {window}")
+            if c["valid"]:
+                ax.plot(*zip(*c["valid"]), "o--", color=COLORS[opt], ms=4, lw=1, label=f"{name} validation")
         tops += smooth[len(smooth) // 10 : len(smooth) // 10 + 1]
         lows += smooth + [loss for _, loss in c["valid"]]
-    if target is not None:
-        ax.axhline(target, color="gray", ls=":", lw=1, label="AdamW final validation loss")
-    if reach is not None:
-        ax.axvline(reach, color=COLORS["muon"], ls=":", lw=1, label=f"Muon reaches it at ~{reach:.0f}")
-    if tops and lows:  # leave out the first steep 10% so the end of the curves is readable
-        ax.set_ylim(min(lows) - 0.1 * (max(tops) - min(lows)), max(tops) + 0.1 * (max(tops) - min(lows)))
-    ax.set(xlabel="iteration", ylabel=LOSS_KEY, title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax in (whole, zoom):
+        if target is not None:
+            ax.axhline(target, color="gray", ls=":", lw=1, label="AdamW final validation loss")
+        if reach is not None:
+            ax.axvline(reach, color=COLORS["muon"], ls=":", lw=1, label=f"Muon reaches it at ~{reach:.0f}")
+        ax.set(xlabel="iteration", ylabel=LOSS_KEY)
+        ax.grid(alpha=0.3)
+    whole.set_title("every iteration", fontsize=10)
+    if tops and lows:
+        zoom.set_ylim(min(lows) - 0.1 * (max(tops) - min(lows)), max(tops) + 0.1 * (max(tops) - min(lows)))
+    zoom.set_title("after the first tenth", fontsize=10)
+    zoom.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def replot(out: Path) -> Path:
+    """``loss_curves.png`` drawn again from ``out/compare.json`` (no run)."""
+    data = json.loads((out / "compare.json").read_text())
+    curves = {name: {k: (v if k == "peak_lr" else [tuple(p) for p in v]) for k, v in c.items()}
+              for name, c in data["curves"].items()}  # fmt: skip
+    reach = data["summary"].get("muon", {}).get("iters_to_adam_final_valid")
+    return plot(curves, out / "loss_curves.png", title(data["recipe"], len(curves) > len(OPTIMIZERS)),
+                data.get("target_valid_loss"), reach)  # fmt: skip
+
+
+def title(recipe: str, variants: bool) -> str:
+    return f"{Path(recipe).stem}: AdamW vs Muon{' (+ variants)' if variants else ''}, same data and seed"
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, List[str]]:
@@ -297,6 +319,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     p.add_argument("--muon-lr", type=float, default=None, help="Muon's --lr (default: the recipe's)")
     p.add_argument("--data-cache-path", default=None, help="shared by both runs (default: the driver's)")
     p.add_argument("--keep-runs", action="store_true", help="keep OUT/runs/ (the runs' logs)")
+    p.add_argument("--replot", action="store_true", help="only draw OUT/loss_curves.png again from OUT/compare.json")
     p.add_argument(
         "--variants",
         nargs="*",
@@ -311,6 +334,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parse_args(argv)
     out = args.out.resolve()
+    if args.replot:
+        print(f"[compare] drew {replot(out)} from {out / 'compare.json'}")
+        return 0
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     commands, curves, throughput, device = {}, {}, {}, ""
@@ -339,12 +365,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     target = adam_valid[-1][1] if adam_valid else None
     summaries = {o: summarize(c["train"], c["valid"], throughput[o], target, c["peak_lr"]) for o, c in curves.items()}
     reach = summaries["muon"]["iters_to_adam_final_valid"]
-    title = f"{Path(args.recipe).stem}: AdamW vs Muon{' (+ variants)' if args.variants else ''}, same data and seed"
-    plot(curves, out / "loss_curves.png", title, target, reach)
+    heading = title(args.recipe, bool(args.variants))
+    plot(curves, out / "loss_curves.png", heading, target, reach)
     tool = shown([sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
     body = table(summaries, args.eval_interval)
     md = (
-        f"# {title}\n\n![loss curves](loss_curves.png)\n\n{body}\nDevice: {device or 'unknown'}. "
+        f"# {heading}\n\n![loss curves](loss_curves.png)\n\n{body}\nDevice: {device or 'unknown'}. "
         f"Produced by\n\n```\n{tool}\n```\n\nwhich ran\n\n```\n" + "\n".join(commands.values()) + "\n```\n"
     )
     (out / "compare.md").write_text(md)

@@ -66,6 +66,11 @@ def test_compare_tiny_gqa(tmp_path):
     assert (out / "runs" / "adam.log").is_file() and "[after training is done]" in (
         out / "runs" / "muon.log"
     ).read_text()
+    # --replot draws the picture again from compare.json alone (no run): the same axes' data
+    (out / "loss_curves.png").unlink()
+    again = subprocess.run(cmd[:6] + ["--replot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and (out / "loss_curves.png").read_bytes().startswith(b"\x89PNG"), again.stderr
+    assert "adam.log" not in again.stdout
 
 
 def test_iterations_to_reach_interpolates():
