@@ -1,11 +1,11 @@
 """Run the main job's start-up (``launch.prepare``, what ``tools/pretrain_gpt.py`` runs
 before building anything) on many command lines in one interpreter: each case's exit code
-and what it printed on stderr. Bad input must end before any global state is set, so the
+and what it printed on stderr and stdout. Bad input must end before any global state is set, so the
 cases do not see each other; one process instead of one per case saves an import of
 Megatron-LM per case.
 
 ``python -m tests.helpers.bad_input`` reads a JSON list of argv lists on stdin and writes a
-JSON list of ``[exit code, stderr]`` on stdout."""
+JSON list of ``[exit code, stderr, stdout]`` on stdout."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def main() -> None:
                 code = exc.code if isinstance(exc.code, int) else 1
             except BaseException as exc:  # noqa: BLE001 - a traceback is what the test reports
                 code, err = 1, io.StringIO(f"Traceback: {exc!r}")
-        results.append([code, err.getvalue()])
+        results.append([code, err.getvalue(), out.getvalue()])
     json.dump(results, sys.__stdout__)
 
 
