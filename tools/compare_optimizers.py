@@ -135,7 +135,8 @@ def run_driver(cmd: Sequence[str], log: Path) -> str:
     return proc.stdout
 
 
-def _field(line: str, name: str) -> Optional[float]:
+def log_field(line: str, name: str) -> Optional[float]:
+    """The number after ``| name:`` in one of Megatron-LM's iteration lines (None without it)."""
     m = re.search(rf"\| {re.escape(name)}: +([0-9.E+-]+|nan|inf) ", line + " ")
     return float(m.group(1)) if m else None
 
@@ -149,12 +150,12 @@ def read_log(text: str) -> Tuple[Points, Points, Optional[float], List[float]]:
     train, valid, lrs, speed = [], {}, [], []
     for m in ITERATION.finditer(text):
         line = m.group(2)
-        loss, skipped = _field(line, LOSS_KEY), _field(line, "number of skipped iterations")
+        loss, skipped = log_field(line, LOSS_KEY), log_field(line, "number of skipped iterations")
         if loss is None or skipped or not math.isfinite(loss):
             continue
         train.append((int(m.group(1)), loss))
-        lrs.append(_field(line, "learning rate") or 0.0)
-        ms, batch = _field(line, "elapsed time per iteration (ms)"), _field(line, "global batch size")
+        lrs.append(log_field(line, "learning rate") or 0.0)
+        ms, batch = log_field(line, "elapsed time per iteration (ms)"), log_field(line, "global batch size")
         if seq and ms and batch:
             speed.append(batch * int(seq.group(1)) / (ms / 1000.0))
     for m in VALID.finditer(text):

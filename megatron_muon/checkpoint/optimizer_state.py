@@ -27,7 +27,7 @@ at zero; a required one missing is refused) are decided here for every format an
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Collection, Dict, Iterator, Mapping, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 import torch.distributed as dist
@@ -198,18 +198,22 @@ def chain_common_state(chain) -> Dict[str, Any]:
     return common_state(chain.num_steps, optimizers, settings)
 
 
+def megatron_parts(common: Any) -> List[Any]:
+    """Megatron's distributed optimizers in a checkpoint's common ``optimizer`` entry: one,
+    or with expert parallelism the chained dense and expert ones (``{0: ..., 1: ...}``), in
+    the chain's order."""
+    if isinstance(common, dict) and common and all(isinstance(k, int) for k in common):
+        return [common[k] for k in sorted(common)]
+    return [common]
+
+
 def optimizer_kind(common: Any) -> str:
     """Whose optimizer state a checkpoint's common ``optimizer`` entry is: ``megatron_muon``,
     ``megatron`` (Megatron's distributed optimizer, e.g. AdamW: its ``param_state_sharding_type``,
     or with expert parallelism its chained ``{0: ..., 1: ...}``), or ``none``."""
     if isinstance(common, dict) and common.get("format") == FORMAT:
         return "megatron_muon"
-    parts = (
-        list(common.values())
-        if isinstance(common, dict) and common and all(isinstance(k, int) for k in common)
-        else [common]
-    )
-    if all(isinstance(p, dict) and "param_state_sharding_type" in p for p in parts):
+    if all(isinstance(p, dict) and "param_state_sharding_type" in p for p in megatron_parts(common)):
         return "megatron"
     return "none"
 

@@ -49,7 +49,13 @@ import torch
 
 from megatron_muon import state as registry
 from megatron_muon.checkpoint.errors import CheckpointError
-from megatron_muon.checkpoint.optimizer_state import STATE_PREFIX, common_state, optimizer_kind, require_ours
+from megatron_muon.checkpoint.optimizer_state import (
+    STATE_PREFIX,
+    common_state,
+    megatron_parts,
+    optimizer_kind,
+    require_ours,
+)
 from megatron_muon.checkpoint.optimizer_state import state_key as _state_key
 from megatron_muon.checkpoint.unpickling import read_dcp_metadata, torch_load
 from megatron_muon.matrices import is_muon_matrix
@@ -112,14 +118,6 @@ def is_muon_key(key: str, exclude: Iterable[str] = (), router: bool = False) -> 
         else "weight"
     )
     return is_muon_matrix(key, 2 if _LINEAR_WEIGHT.search(key) else 1, role, tuple(exclude), router)
-
-
-def megatron_parts(opt_common: Any) -> List[Dict[str, Any]]:
-    """Megatron's distributed optimizers in a checkpoint's common ``optimizer`` entry: one,
-    or with expert parallelism the chained dense and expert ones (``{0: ..., 1: ...}``)."""
-    if isinstance(opt_common, dict) and opt_common and all(isinstance(k, int) for k in opt_common):
-        return [opt_common[k] for k in sorted(opt_common)]
-    return [opt_common]
 
 
 CHAIN = ("dense", "expert")

@@ -73,8 +73,10 @@ def check_data_prefixes(args: argparse.Namespace) -> None:
                 continue  # a blend weight
             except ValueError:
                 pass
+            if "://" in item:
+                continue
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(item + ext)]
-            if "://" not in item and missing:
+            if missing:
                 raise CorpusError(
                     f"--{flag.replace('_', '-')} {item}: {' and '.join(item + e for e in missing)} not found; give the "
                     "prefix of a dataset that tools/preprocess_data.py wrote (PREFIX.bin and PREFIX.idx)"

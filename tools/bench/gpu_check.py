@@ -61,10 +61,6 @@ MAIN_JOB_MODEL = [
 (8 layers, d2048, GQA 16/4 heads, SwiGLU 5632, 1024 tokens; two micro-batches a step)."""
 MAIN_JOB_WARMUP = 5
 MAIN_JOB_TIMED = 50
-ITERATION = re.compile(
-    r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?lm loss: ([0-9.E+-]+|nan|inf)",
-    re.IGNORECASE,
-)
 MEMORY = re.compile(r"max allocated: ([0-9.]+) \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
 OUTCOMES = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
 PYTEST_RESULT = re.compile(rf"(?:^(tests/cuda/\S+) ({OUTCOMES})\b)|(?:\b({OUTCOMES}) (tests/cuda/\S+))", re.MULTILINE)
@@ -208,7 +204,13 @@ def main_job_command(optimizer: str, iterations: int) -> List[str]:
 
 def read_iterations(text: str) -> Dict[str, Any]:
     """Iteration times (ms) and losses by iteration, and the peak memory, from Megatron-LM's log."""
-    found = {int(i): (float(ms), float(loss)) for i, ms, loss in ITERATION.findall(text)}
+    from tools.compare_optimizers import ITERATION, LOSS_KEY, log_field
+
+    found = {}
+    for m in ITERATION.finditer(text):
+        ms, loss = log_field(m.group(2), "elapsed time per iteration (ms)"), log_field(m.group(2), LOSS_KEY)
+        if ms is not None and loss is not None:
+            found[int(m.group(1))] = (ms, loss)
     memory = MEMORY.search(text)
     return dict(
         ms={i: v[0] for i, v in sorted(found.items())},
