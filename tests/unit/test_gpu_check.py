@@ -58,6 +58,33 @@ def test_a_part_past_its_box_is_stopped_with_its_children(tmp_path):
     assert gpu_check.run_boxed([sys.executable, "-c", "raise SystemExit(3)"], 30, tmp_path / "log", {}) == 3
 
 
+def test_a_part_ends_with_the_check_that_started_it(tmp_path):
+    """The check killed (its launcher's kill, an out-of-memory kill): its running part ends too."""
+    import signal
+    import subprocess
+
+    pid_file = tmp_path / "part.pid"
+    part = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    check = (
+        "import os, sys; from tools.bench import gpu_check; "
+        f"gpu_check.run_boxed([sys.executable, '-c', {part!r}], 60, {str(tmp_path / 'log')!r}, dict(os.environ))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", check], cwd=gpu_check.ROOT)
+    for _ in range(300):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.1)
+    part_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        if not Path(f"/proc/{part_pid}").exists() or "Z" in Path(f"/proc/{part_pid}/stat").read_text().split()[2]:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the part outlived the killed check")
+
+
 def test_a_failed_part_fails_the_command_and_a_timed_out_one_does_not(tmp_path, monkeypatch):
     def crashes(*args):
         raise RuntimeError("a reader bug")

@@ -92,13 +92,16 @@ PARTS = (
 
 def run_boxed(cmd: Sequence[str], box_s: float, log: Path, env: Dict[str, str]) -> Optional[int]:
     """Run ``cmd`` from the repository root with its output appended to ``log``; its exit
-    code, or None when it outran ``box_s`` (its whole process group is then killed)."""
+    code, or None when it outran ``box_s`` (its whole process group is then killed). Nothing
+    outlives this process: the part is killed when it ends (a kill included), and its
+    process group when it is interrupted (Ctrl-C reaches only this process's group)."""
+    from megatron_muon.megatron_lm.process_lifetime import die_with_this_process
+
     with open(log, "a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
-        proc = subprocess.Popen(
-            list(cmd), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=die_with_this_process())  # fmt: skip
         try:
             return proc.wait(timeout=max(box_s, 1))
         except subprocess.TimeoutExpired:
@@ -106,6 +109,10 @@ def run_boxed(cmd: Sequence[str], box_s: float, log: Path, env: Dict[str, str]) 
             proc.wait()
             out.write(f"\n[gpu_check] stopped at its time box ({box_s:.0f} s)\n")
             return None
+        except BaseException:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
 
 
 def part_env(work: Path) -> Dict[str, str]:
