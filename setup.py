@@ -35,10 +35,14 @@ setup(
         # ruff: the formatter and linter .ci/run applies (pinned: its output is checked);
         # pytest-xdist: README's test command runs two workers (most tests wait on one
         # process's imports while the other core idles).
-        "test": ["pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "ruff==0.17.6"],
+        # wandb: the suite checks that Muon's scalars reach W&B (offline).
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "matplotlib", "ruff==0.17.6", "wandb"],
         "bench": ["matplotlib", "emerging-optimizers==0.3.0"],
         # Megatron-core's own Muon (used only by comparison tests and benchmarks).
         "peer": ["emerging-optimizers==0.3.0"],
+        # What Megatron-LM users plug in, imported only once a job runs: W&B (--wandb-project)
+        # and the tokenizers' libraries (launch.TOKENIZER_PACKAGES).
+        "ecosystem": ["wandb", "transformers", "sentencepiece", "tiktoken"],
         # A CUDA machine: transformer-engine as Megatron-core pins it (its own "te" extra).
         "gpu": ["megatron-core[te]>=0.19,<0.20"],
     },

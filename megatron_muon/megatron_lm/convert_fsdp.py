@@ -28,7 +28,7 @@ import torch
 from megatron_muon.checkpoint.errors import CheckpointError
 from megatron_muon.checkpoint.fsdp_dtensor import CommonState, strip_wrappers
 from megatron_muon.checkpoint.optimizer_state import STATE_PREFIX as OPTIMIZER_STATE
-from megatron_muon.checkpoint.optimizer_state import model_param_metadata, optimizer_kind
+from megatron_muon.checkpoint.optimizer_state import megatron_parts, model_param_metadata, optimizer_kind
 from megatron_muon.checkpoint.optimizer_state import state_key as torch_dist_key
 from megatron_muon.megatron_lm.fsdp_state_dict import GLU_HALVES, glu_parameters
 from megatron_muon.state import MASTER
@@ -346,7 +346,7 @@ def _adam_optimizer(ckpt: Checkpoint, layout: Layout, states: Dict[str, Dict[str
     ``module.`` prefixes, one more with a ``Float16Module``), a step per parameter, and
     every parameter's group settings, from the Muon checkpoint's (``muon`` flag dropped)."""
     prefix = "module.module." + ("module." if getattr(args, "bf16", False) or getattr(args, "fp16", False) else "")
-    groups = ckpt.common["optimizer"]["optimizer"]["param_groups"]
+    groups = [g for part in megatron_parts(ckpt.common["optimizer"]) for g in part["optimizer"]["param_groups"]]
     step = torch.tensor(float(max((g.get("step", 0) for g in groups), default=0)))
     metas = {}
     for name in layout.state:

@@ -343,9 +343,10 @@ def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> 
 def _wrap_training_log(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Megatron-LM's log, then Muon's numbers (``MuonChainedOptimizer.log_statistics``) as
     TensorBoard scalars ``muon/...`` at every ``--tensorboard-log-interval`` (with
-    ``--tensorboard-dir``); the update RMS is measured only in the steps of those iterations
-    (``measure_updates``, set for the next step here). The statistics are collective: every rank computes them, the rank
-    holding Megatron-LM's writer writes."""
+    ``--tensorboard-dir``), and as W&B ones with ``--wandb-project``; the update RMS is
+    measured only in the steps of those iterations (``measure_updates``, set for the next step
+    here). The statistics are collective: every rank computes them, the rank holding
+    Megatron-LM's writers writes."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -364,6 +365,9 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
         if writer:
             for name, value in stats.items():
                 writer.add_scalar(f"muon/{name}", value, iteration)
+            wandb_writer = module.get_wandb_writer()
+            if wandb_writer:  # as Megatron-LM's own scalars: only beside a TensorBoard writer
+                wandb_writer.log({f"muon/{name}": value for name, value in stats.items()}, iteration)
         return result
 
     return training_log

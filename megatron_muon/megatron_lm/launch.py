@@ -295,23 +295,63 @@ def _checked_after_parsing(*checks):
         arguments.parse_args = original
 
 
-OPTIONAL_PACKAGES = (
-    ("--wandb-project", lambda args: bool(getattr(args, "wandb_project", None)), "wandb"),
-    (
-        "--tokenizer-type HuggingFaceTokenizer",
-        lambda args: getattr(args, "tokenizer_type", None) == "HuggingFaceTokenizer",
-        "transformers",
-    ),
-)
-"""(flag, whether the arguments ask for it, package): what Megatron-LM imports only once it
-runs (wandb when its writer starts, transformers when it builds the tokenizer), named here
-before anything is built."""
+TOKENIZER_PACKAGES = {
+    "HuggingFaceTokenizer": "transformers",
+    "GPT2BPETokenizer": "transformers",
+    "BertWordPieceLowerCase": "transformers",
+    "BertWordPieceCase": "transformers",
+    "SFTTokenizer": "transformers",
+    "MultimodalTokenizer": "transformers",
+    "SentencePieceTokenizer": "sentencepiece",
+    "GPTSentencePieceTokenizer": "sentencepiece",
+    "Llama2Tokenizer": "sentencepiece",
+    "TikTokenizer": "tiktoken",
+}
+"""The package each ``--tokenizer-type`` imports when Megatron-core builds it
+(megatron/core/tokenizers: its GPT-2 BPE and BERT word-piece tokenizers are Hugging Face's)."""
+
+ECOSYSTEM_EXTRA = "pip install 'megatron-muon[ecosystem]'"
+"""What installs every package of :func:`missing_package` (setup.py's ``ecosystem`` extra)."""
+
+
+def missing_package(args: argparse.Namespace) -> Optional[Tuple[str, str]]:
+    """``(flag, package)`` for the first optional package the arguments ask for that is not
+    installed: wandb for ``--wandb-project``, the tokenizer's library (:data:`TOKENIZER_PACKAGES`).
+    Megatron-LM imports them only once it runs (wandb when its writer starts, the tokenizer's
+    library when it builds the tokenizer), where a missing one ends in a traceback."""
+    wanted = []
+    if getattr(args, "wandb_project", None):
+        wanted.append(("--wandb-project", "wandb"))
+    tokenizer = getattr(args, "tokenizer_type", None)
+    if tokenizer in TOKENIZER_PACKAGES:
+        wanted.append((f"--tokenizer-type {tokenizer}", TOKENIZER_PACKAGES[tokenizer]))
+    for flag, package in wanted:
+        if importlib.util.find_spec(package) is None:
+            return flag, package
+    return None
+
+
+def check_wandb(args: argparse.Namespace) -> None:
+    """What Megatron-LM's W&B writer needs that it does not check: a directory for its files
+    (``--wandb-save-dir``, else ``--save``/wandb; with neither it fails on ``None``) and
+    ``--tensorboard-dir`` (Megatron-LM logs to W&B inside its TensorBoard logging, so without
+    it W&B gets the configuration and no scalar)."""
+    if not getattr(args, "wandb_project", None):
+        return
+    if not (args.wandb_save_dir or args.save):
+        raise ValueError("--wandb-project needs a directory for W&B's files: add --wandb-save-dir DIR (or --save)")
+    if not args.tensorboard_dir:
+        raise ValueError(
+            "--wandb-project logs nothing without --tensorboard-dir (Megatron-LM writes its W&B scalars "
+            "with its TensorBoard ones): add --tensorboard-dir DIR"
+        )
 
 
 def check_runnable_here(args: argparse.Namespace) -> None:
     """What this machine cannot run, refused before any model is built (Megatron would fail
     late, deep in its code, or ignore the flag): transformer-engine's implementation without
-    transformer-engine; an optional package a flag needs (:data:`OPTIONAL_PACKAGES`); on gloo
+    transformer-engine; an optional package a flag needs (:func:`missing_package`), W&B's
+    settings (:func:`check_wandb`); on gloo
     (no GPU) the all-to-all token dispatcher, grouped GEMM and the flash / fused attention
     backends."""
     from megatron.core.transformer.enums import AttnBackend
@@ -323,9 +363,11 @@ def check_runnable_here(args: argparse.Namespace) -> None:
             "--transformer-impl transformer_engine needs transformer-engine, which is not installed: use "
             "--transformer-impl local (or install megatron-muon[gpu] on a CUDA machine)"
         )
-    for flag, needed, package in OPTIONAL_PACKAGES:
-        if needed(args) and importlib.util.find_spec(package) is None:
-            raise ValueError(f"{flag} needs the {package} package, which is not installed: pip install {package}")
+    check_wandb(args)
+    missing = missing_package(args)
+    if missing:
+        flag, package = missing
+        raise ValueError(f"{flag} needs the {package} package, which is not installed: {ECOSYSTEM_EXTRA}")
     if cpu.use_cuda():
         return
     experts = getattr(args, "num_experts", None)

@@ -23,7 +23,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from tests.helpers import REPO
+from tests.helpers import REPO, wandb_offline
 from tests.helpers.jobs import PRETRAIN, TWO_RANKS, job_env, launch, losses, run, tagged_processes
 
 ROOT = REPO
@@ -98,12 +98,18 @@ def test_readme_first_command():
     assert re.search(r"^  qk_clip \.+ True$", stdout, re.M), "the argument listing hides QK-Clip"
 
 
-def test_tensorboard_holds_megatron_lm_and_muon_scalars(cache, tmp_path):
+def test_tensorboard_and_wandb_hold_megatron_lm_and_muon_scalars(cache, tmp_path):
     """--tensorboard-dir: Megatron-LM's scalars and Muon's (update RMS, max and mean attention
     logit, heads clipped, skipped steps, step time) at every log interval; with a low
-    threshold QK-Clip clips heads every step."""
-    run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tmp_path / "tb")))
+    threshold QK-Clip clips heads every step. W&B (offline, --wandb-project) gets the same
+    numbers under the same names."""
+    wandb = tmp_path / "wandb"
+    run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tmp_path / "tb"),
+                  "--wandb-project", "muon", "--wandb-exp-name", "tb", "--wandb-save-dir", str(wandb)))  # fmt: skip
     scalars = _tensorboard_scalars(tmp_path / "tb")
+    logged = wandb_offline.scalars(wandb)
+    for tag in ("lm loss", "grad-norm", *(t for t in scalars if t.startswith("muon/"))):
+        assert logged.get(tag) == pytest.approx(scalars[tag], rel=1e-6), (tag, logged.get(tag), scalars[tag])
     for tag in (
         "lm loss",
         "grad-norm",
@@ -365,19 +371,26 @@ def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_megatron_fsdp_adamw_checkpoint_resumes_and_converts_to_muon(cache, tmp_path):
-    """Megatron's own AdamW on Megatron-FSDP saves fsdp_dtensor checkpoints (megatron-core
-    0.19.2's preprocessing fails on an fp32 SwiGLU model and hangs when a rank's shard of a
-    parameter is empty: ours replaces it) and resumes bit for bit. A Muon run refuses to load
-    one in one line (its momentum is missing) instead of failing deep in DCP; adam-to-muon
-    converts it, and the Muon run resumes from the same weights (starting variance
-    reduction's second moment at zero: the AdamW checkpoint has none)."""
-    ckpt, muon = tmp_path / "ckpt", tmp_path / "muon"
-    args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
+def test_megatron_fsdp_adamw_checkpoint_resumes_and_switches_to_muon_and_back(cache, tmp_path):
+    """Megatron's own AdamW on Megatron-FSDP with expert parallelism (tiny_moe_mla, EP2, bf16)
+    saves fsdp_dtensor checkpoints (megatron-core 0.19.2's preprocessing hangs when a rank's
+    shard of a parameter is empty: ours replaces it) and resumes bit for bit. A Muon run
+    refuses to load one in one line (its momentum is missing) instead of failing deep in DCP;
+    adam-to-muon converts it, and the Muon run resumes from the same weights (starting
+    variance reduction's second moment at zero: the AdamW checkpoint has none). muon-to-adam
+    converts the Muon run's checkpoint back, dense and expert groups alike, and AdamW goes on
+    from Muon's weights."""
+    ckpt, muon, muon_run, back = (tmp_path / name for name in ("ckpt", "muon", "muon_run", "back"))
+
+    def moe(flags: List[str]) -> List[str]:
+        model = ["tiny_moe_mla" if a == "tiny_gqa" else a for a in flags]
+        return model + ["--expert-model-parallel-size", "2", "--bf16", "--data-cache-path", str(cache)]
+
+    args = moe(DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam"])
     full = losses(run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300))
     resumed = losses(run(TWO_RANKS + args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300))
     assert all(resumed[i] == full[i] for i in (4, 6)), (resumed, full)
-    muon_args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
+    muon_args = moe(FSDP_CHECKPOINTS)
     proc = launch(TWO_RANKS + muon_args + ["--load", str(ckpt), "--ckpt-step", "3"], timeout=300)
     said = proc.stdout + proc.stderr
     # refused at start-up since the start-up check reads fsdp_dtensor checkpoints too (it named the
@@ -386,8 +399,13 @@ def test_megatron_fsdp_adamw_checkpoint_resumes_and_converts_to_muon(cache, tmp_
     assert "iteration        4/" not in proc.stdout
     stats = run(CONVERT + ["adam-to-muon", str(ckpt / "iter_0000003"), str(muon), "--momentum", "exp_avg"])
     assert "'step': 3" in stats, stats
-    on_muon = losses(run(TWO_RANKS + muon_args + ["--load", str(muon)], timeout=300))
+    on_muon = losses(
+        run(TWO_RANKS + muon_args + ["--load", str(muon), "--save", str(muon_run), "--save-interval", "5"], timeout=300)
+    )
     assert on_muon[4] == full[4] and on_muon[6] < on_muon[4], on_muon
+    run(CONVERT + ["muon-to-adam", str(muon_run / "iter_0000005"), str(back)])
+    on_adam = losses(run(TWO_RANKS + args + ["--load", str(back)], timeout=300))
+    assert sorted(on_adam) == [6] and on_adam[6] == on_muon[6], (on_adam, on_muon)
 
 
 @pytest.fixture(scope="module")
@@ -508,17 +526,19 @@ BAD_INPUT = [
         ["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-cpu-offload"],
         "does not offload to the CPU on Megatron-FSDP",
     ),
-    # optional packages Megatron-LM imports only once it runs
-    pytest.param(
-        ["--recipe", "tiny_gqa", "--wandb-project", "p"],
-        "--wandb-project needs the wandb package, which is not installed: pip install wandb",
-        marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb installed"),
+    # optional packages Megatron-LM imports only once it runs (tests.helpers.bad_input hides them)
+    (
+        ["--recipe", "tiny_gqa", "--wandb-project", "p", "--wandb-save-dir", "w", "--tensorboard-dir", "t"],
+        "--wandb-project needs the wandb package, which is not installed: pip install 'megatron-muon[ecosystem]'",
     ),
-    pytest.param(
+    (
         ["--recipe", "tiny_gqa", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "m"],
         "--tokenizer-type HuggingFaceTokenizer needs the transformers package",
-        marks=pytest.mark.skipif(importlib.util.find_spec("transformers") is not None, reason="installed"),
     ),
+    (["--recipe", "tiny_gqa", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "m"], "the tiktoken package"),
+    # what Megatron-LM's W&B writer needs and does not check
+    (["--recipe", "tiny_gqa", "--wandb-project", "p", "--tensorboard-dir", "t"], "add --wandb-save-dir DIR"),
+    (["--recipe", "tiny_gqa", "--wandb-project", "p", "--wandb-save-dir", "w"], "add --tensorboard-dir DIR"),
     # a bare assert of Megatron-LM's validation: its source line names the argument
     (
         ["--recipe", "tiny_gqa", "--save", "ckpt_never_written"],

@@ -23,8 +23,8 @@ OFF_LAYOUT = "but DDP was built without megatron_muon.owner_aligned_param_layout
 
 def job_env(**extra: str) -> Dict[str, str]:
     """The environment of a launched job: on the CPU everywhere (CI has no GPU; two ranks on
-    a one-GPU machine would share it)."""
-    return dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", **extra)
+    a one-GPU machine would share it); W&B offline (a test never reaches the network)."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", WANDB_MODE="offline", **extra)
 
 
 def launch(cmd: List[str], timeout: int = 200) -> subprocess.CompletedProcess:

@@ -1,16 +1,20 @@
 """The documentation, read without running it: every page exists, every not-tested shell
 block says why, python blocks compile, relative links point at files that exist, and the
-MuonConfig table of docs/usage.md is current. (The shell blocks run in
+MuonConfig table of docs/usage.md is current; a not-tested shell block is valid bash and a
+GPU-cluster launch line passes Megatron-LM's validation. (The runnable shell blocks run in
 ``tests/e2e/test_docs.py``.)
 """
 
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+from typing import List, Tuple
 
 import pytest
 
-from tests.helpers.docs import ALL, DOCS, SHELL, SHELLS
+from tests.helpers.docs import ALL, DOCS, SHELL, SHELLS, Block
 
 
 def test_the_docs_exist():
@@ -64,3 +68,45 @@ def test_config_table_lists_every_field():
     table = config_reference.table()
     for name in MuonConfig.__dict__["__annotations__"]:
         assert f"`{name}`" in table, name
+
+
+@pytest.mark.parametrize("block", [b for b in ALL if b.skip], ids=lambda b: b.id)
+def test_untested_blocks_are_valid_shell(block):
+    """What cannot run here (a SLURM script, a multi-node launch) is at least valid bash."""
+    proc = subprocess.run(["bash", "-n"], input=block.text, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, f"{block.id}: {proc.stderr}"
+
+
+VARIABLE = re.compile(r"\$\{?(\w+)\}?")
+
+
+def cluster_launches(block: Block) -> List[Tuple[int, List[str]]]:
+    """``(world size, arguments of tools/pretrain_gpt.py)`` of each launch in a not-tested
+    GPU-cluster block, its shell variables given stand-in values (``$SLURM_NNODES`` from the
+    script's ``#SBATCH --nodes``)."""
+    nodes = re.search(r"#SBATCH .*--nodes[= ](\d+)", block.text)
+    values = {"SLURM_NNODES": nodes.group(1) if nodes else "1"}
+    out = []
+    for line in block.text.replace("\\\n", " ").splitlines():
+        if "tools/pretrain_gpt.py" not in line:
+            continue
+        words = shlex.split(VARIABLE.sub(lambda m: values.get(m.group(1), "x"), line))
+        at = words.index("tools/pretrain_gpt.py")
+        launcher = dict(zip(words[:at], words[1 : at + 1]))
+        world = int(launcher.get("--nnodes", 1)) * int(launcher.get("--nproc-per-node", 1))
+        out.append((world, words[at + 1 :]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "block", [b for b in ALL if b.skip.startswith("gpu-cluster") and "pretrain_gpt.py" in b.text], ids=lambda b: b.id
+)
+def test_cluster_launch_lines_are_valid_arguments(block):
+    """Every launch the docs show for a GPU cluster passes Megatron-LM's validation with our
+    flags, at its world size (nothing is built)."""
+    from megatron_muon.megatron_lm.launch import validated_args
+
+    launches = cluster_launches(block)
+    assert launches, block.id
+    for world, argv in launches:
+        validated_args(argv, world_size=world)
