@@ -116,6 +116,12 @@ class RecordingDotProductAttention(MegatronModule):
             raise NotImplementedError("RecordingDotProductAttention: packed sequences / attention bias")
         if self.cp_group is not None:
             key, value = (gather_from_sequence_parallel_region(t, group=self.cp_group) for t in (key, value))
+            # Gathered rank by rank, the keys are in the load-balanced chunk order (0, 3, 1, 2
+            # for CP2); in sequence order, the softmax and probs @ v add as without CP.
+            size = self.cp_group.size()
+            gathered = torch.cat([cp_positions(query.shape[0], r, size, key.device) for r in range(size)])
+            order = torch.argsort(gathered)
+            key, value = key[order], value[order]
         repeat = query.shape[2] // key.shape[2]
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
@@ -127,14 +133,8 @@ class RecordingDotProductAttention(MegatronModule):
         masked = attention_mask
         if self.cp_group is not None:
             q_pos = cp_positions(sq, self.cp_group.rank(), self.cp_group.size(), scores.device)
-            k_pos = torch.cat(
-                [cp_positions(sq, r, self.cp_group.size(), scores.device) for r in range(self.cp_group.size())]
-            )
-            if masked is not None:
-                # The mask's key axis is the whole sequence in order; put it in gathered order.
-                masked = masked[..., k_pos]
-            elif mask_type == AttnMaskType.causal:
-                masked = k_pos[None, :] > q_pos[:, None]
+            if masked is None and mask_type == AttnMaskType.causal:
+                masked = torch.arange(sk, device=scores.device)[None, :] > q_pos[:, None]
         elif masked is None and mask_type == AttnMaskType.causal:
             masked = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
         if self.record and self.training:

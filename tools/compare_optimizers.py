@@ -1,32 +1,32 @@
 #!/usr/bin/env python
-"""AdamW against Muon on one recipe: same model, data, seed and schedule; two loss curves.
+"""An optimizer study on one recipe and layout: peers x learning rates x seeds, the same
+tokens for every peer at a seed.
 
-Runs ``tools/pretrain_gpt.py`` (Megatron-LM's training loop) twice, ``--optimizer adam``
-(Megatron-core's AdamW) then ``--optimizer muon``, with the same recipe, flags, seed and
-data cache, and reads Megatron-LM's own log lines (``iteration N/ M | ... | lm loss: ...``,
-``validation loss at iteration N | lm loss value: ...``). Both learning rates are the recipe's ``lr`` unless ``--adam-lr`` /
-``--muon-lr`` say otherwise (Muon's default 'moonlight' update scale matches AdamW's update
-RMS, so an AdamW learning rate carries over); the schedule keeps the recipe's ``min-lr``
-(lowered to the learning rate when it is larger). Writes into ``--out``:
+Each cell (peer, learning rate, seed) is one run of ``tools/pretrain_gpt.py``
+(Megatron-LM's training loop) with the recipe, the peer's flags (:data:`PEERS`),
+``--lr``, ``--seed`` and the flags after ``--`` (the layout: ``-- --tensor-model-parallel-size
+2 --bf16``); the tool reads Megatron-LM's own log lines (``iteration N/ M | ... | lm loss:``
+and ``validation loss at iteration N | lm loss value:``). ``--seed`` sets the model's
+initialization and the data order, so every peer sees the same tokens at a seed. What the
+runs say (``tools/study_report.py``): per peer its best learning rate (lowest mean final
+validation loss over the seeds), that loss's mean and spread, and the tokens it needs to
+reach a target (default: the reference peer's, AdamW's, best) under the pass rule. Writes
+into ``--out``:
 
-* ``loss_curves.png``: training loss per iteration (faint: raw; solid: moving average)
-  and the validation losses, both optimizers: the whole run, and beside it the curves
-  after their first tenth (``--replot`` draws it again from ``compare.json``);
-* ``compare.md``: peak lr, final train loss (mean of the last 10 iterations), final and
-  best validation loss, median tokens/s, and the iterations each run needs to reach
-  AdamW's final validation loss (linearly interpolated between evaluations, so good to
-  about ``--eval-interval``; "not reached" when it never does), then the exact commands;
-* ``compare.json``: the same, the commands, and both curves;
-* ``runs/``: each run's output (``adam.log``, ``muon.log``), removed at the end unless
-  ``--keep-runs``.
+* ``study.md`` (also printed) and ``study.json``: the tables, the exact commands, device;
+* ``curves.png``: each peer at its best learning rate, against tokens, with the seeds'
+  spread; ``lr_sweep.png``: final validation loss against learning rate per peer
+  (``--replot`` draws both again from ``study.json``);
+* ``cells/<peer>/lr<LR>_seed<S>.json``: each finished run's curves and command. A study
+  started again into the same ``--out`` reads finished cells back and runs only the others
+  (an interrupted study resumes); a finished cell whose command differs is refused;
+* ``runs/``: the runs' logs, removed at the end unless ``--keep-runs``.
 
-The table is also printed. Flags after ``--`` go to every run (``-- --seed 7``).
-``--variants vr cautious`` adds Muon runs with nanochat's variance reduction
-(``--muon-variance-reduction 0.95``) and/or cautious weight decay, at Muon's learning
-rate, to the same plot and table. The picture in docs/images/compare_tiny_gqa::
+The picture in docs/images/compare_tiny_gqa::
 
     python tools/compare_optimizers.py --recipe tiny_gqa --out docs/images/compare_tiny_gqa \\
-        --train-iters 300 --eval-interval 25 --eval-iters 8 --adam-lr 0.002
+        --peers adamw muon --lr adamw=0.001,0.002,0.004 --lr muon=0.005,0.01,0.02 \\
+        --train-iters 300 --eval-interval 25 --eval-iters 8
 """
 
 from __future__ import annotations
@@ -42,36 +42,77 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+if __package__ in (None, ""):  # run as a script: the repository's root on the path, for tools.*
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools import study_report  # noqa: E402
+from tools.study_report import Points, iterations_to_reach  # noqa: E402, F401 (the tests' and gpu_check's)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tools" / "pretrain_gpt.py"
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-OPTIMIZERS = ("adam", "muon")
-LABELS = {"adam": "AdamW", "muon": "Muon"}
-COLORS = {"adam": "#4c72b0", "muon": "#c44e52"}
-VARIANTS: Dict[str, Tuple[str, str, List[str]]] = {
-    # name: (label, color, the Muon run's extra driver flags: generated MuonConfig flags)
-    "vr": ("Muon + variance reduction", "#55a868", ["--muon-variance-reduction", "0.95"]),
-    "cautious": ("Muon + cautious WD", "#8172b2", ["--muon-cautious-weight-decay"]),
-}
-for _name, (_label, _color, _) in VARIANTS.items():
-    LABELS[f"muon_{_name}"], COLORS[f"muon_{_name}"] = _label, _color
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One optimizer of a study: how it is called in the tables, its colour, its driver flags."""
+
+    label: str
+    color: str
+    flags: Tuple[str, ...]
+
+
+PEERS: Dict[str, Peer] = {
+    "adamw": Peer("AdamW", "#4c72b0", ("--optimizer", "adam")),
+    "muon": Peer("Muon, exact (ours)", "#c44e52", ("--optimizer", "muon")),
+    "muon_blockwise": Peer("Muon, blockwise (ours)", "#dd8452", ("--optimizer", "muon", "--muon-tp-mode", "blockwise")),
+    "megatron_muon": Peer(
+        "Megatron-core Muon, blockwise", "#937860",
+        ("--optimizer", "muon", "--muon-impl", "megatron", "--muon-tp-mode", "blockwise"),
+    ),
+    "megatron_muon_duplicated": Peer(
+        "Megatron-core Muon, duplicated", "#8c613c",
+        ("--optimizer", "muon", "--muon-impl", "megatron", "--muon-tp-mode", "duplicated"),
+    ),
+    "megatron_muon_distributed": Peer(
+        "Megatron-core Muon, distributed", "#da8bc3",
+        ("--optimizer", "muon", "--muon-impl", "megatron", "--muon-tp-mode", "distributed"),
+    ),
+    "muon_vr": Peer("Muon + variance reduction", "#55a868", ("--optimizer", "muon", "--muon-variance-reduction", "0.95")),
+    "muon_cautious": Peer("Muon + cautious WD", "#8172b2", ("--optimizer", "muon", "--muon-cautious-weight-decay")),
+}  # fmt: skip
+"""The peers a study can hold. Megatron-core's Muon runs only in bf16 (give ``-- --bf16``)."""
+LABELS = {name: p.label for name, p in PEERS.items()}
+COLORS = {name: p.color for name, p in PEERS.items()}
 LOSS_KEY = "lm loss"
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)$", re.M)
 VALID = re.compile(r"validation loss at iteration (\d+)(?: on validation set)? \| lm loss value: ([0-9.E+-]+|nan|inf)")
 SEQ_LENGTH = re.compile(r"^\s+seq_length \.+ (\d+)$", re.M)
-Points = List[Tuple[int, float]]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the study."""
+
+    peer: str
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.peer}/lr{self.lr:g}_seed{self.seed}"
 
 
 def driver_command(
-    optimizer: str,
-    out: Path,
+    cell: Cell,
     recipe: str,
     nproc: int = 1,
-    lr: Optional[float] = None,
     train_iters: Optional[int] = None,
     eval_interval: Optional[int] = None,
     eval_iters: Optional[int] = None,
@@ -79,19 +120,19 @@ def driver_command(
     extra: Sequence[str] = (),
     master_port: Optional[int] = None,
 ) -> List[str]:
-    """The ``pretrain_gpt.py`` command line of one run (under ``torchrun`` if nproc > 1: on
+    """The ``pretrain_gpt.py`` command line of one cell (under ``torchrun`` if nproc > 1: on
     ``master_port`` of this machine, else ``--standalone``, which picks a free one)."""
     rendezvous = (
         ["--standalone"] if master_port is None else ["--master-addr", "127.0.0.1", "--master-port", str(master_port)]
     )
     cmd = [TORCHRUN, *rendezvous, "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
-    cmd += [str(DRIVER), "--recipe", recipe, "--optimizer", optimizer, "--log-interval", "1"]
-    if lr is not None and not any(t.startswith("--min-lr") for t in extra):
+    cmd += [str(DRIVER), "--recipe", recipe, *PEERS[cell.peer].flags, "--log-interval", "1"]
+    if not any(t.startswith("--min-lr") for t in extra):
         min_lr = _recipe_min_lr(recipe)
-        if min_lr is not None and min_lr > lr:
-            cmd += ["--min-lr", str(lr)]  # the scheduler needs lr >= min-lr
+        if min_lr is not None and min_lr > cell.lr:
+            cmd += ["--min-lr", f"{cell.lr:g}"]  # the scheduler needs lr >= min-lr
+    cmd += ["--lr", f"{cell.lr:g}", "--seed", str(cell.seed)]
     for flag, value in (
-        ("--lr", lr),
         ("--train-iters", train_iters),
         ("--eval-interval", eval_interval),
         ("--eval-iters", eval_iters),
@@ -128,6 +169,7 @@ def shown(cmd: Sequence[str]) -> str:
 def run_driver(cmd: Sequence[str], log: Path) -> str:
     """Run one training; its output goes to ``log`` and is returned."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log.write_text(proc.stdout)
     if proc.returncode != 0:
@@ -141,13 +183,13 @@ def log_field(line: str, name: str) -> Optional[float]:
     return float(m.group(1)) if m else None
 
 
-def read_log(text: str) -> Tuple[Points, Points, Optional[float], List[float]]:
-    """``(train, valid, peak_lr, tokens_per_s)`` from Megatron-LM's log: (iteration, loss) of
-    every finite, not skipped training step and of every evaluation (the end-of-training one
-    only if it adds an iteration), and each step's tokens per second (global batch x
-    sequence length / elapsed time)."""
+def read_log(text: str) -> Dict:
+    """One run's numbers from Megatron-LM's log: ``train`` and ``valid`` as (iteration, loss)
+    of every finite, not skipped training step and of every evaluation (the end-of-training
+    one only if it adds an iteration), ``peak_lr``, ``tokens_per_s`` (median of global batch
+    x sequence length / elapsed time) and ``tokens_per_iteration``."""
     seq = SEQ_LENGTH.search(text)
-    train, valid, lrs, speed = [], {}, [], []
+    train, valid, lrs, speed, batch = [], {}, [], [], None
     for m in ITERATION.finditer(text):
         line = m.group(2)
         loss, skipped = log_field(line, LOSS_KEY), log_field(line, "number of skipped iterations")
@@ -160,7 +202,13 @@ def read_log(text: str) -> Tuple[Points, Points, Optional[float], List[float]]:
             speed.append(batch * int(seq.group(1)) / (ms / 1000.0))
     for m in VALID.finditer(text):
         valid.setdefault(int(m.group(1)), float(m.group(2)))
-    return train, sorted(valid.items()), max(lrs, default=None), speed
+    return {
+        "train": train,
+        "valid": sorted(valid.items()),
+        "peak_lr": max(lrs, default=None),
+        "tokens_per_s": statistics.median(speed) if speed else None,
+        "tokens_per_iteration": int(batch * int(seq.group(1))) if seq and batch else 0,
+    }
 
 
 def describe_device(nproc: int) -> str:
@@ -170,131 +218,96 @@ def describe_device(nproc: int) -> str:
     return f"{nproc} process(es), {where}"
 
 
-def iterations_to_reach(valid: Points, target: float) -> Optional[float]:
-    """First iteration at which the validation loss reaches ``target``, linearly interpolated
-    between the two evaluations around the crossing; ``None`` if it never does."""
-    prev = None
-    for it, loss in valid:
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return float(it)
-            (i0, l0) = prev
-            return i0 + (l0 - target) / (l0 - loss) * (it - i0)
-        prev = (it, loss)
-    return None
-
-
-def moving_average(values: Sequence[float], window: int) -> List[float]:
-    """Trailing mean over up to ``window`` values."""
-    sums = [0.0]
-    for v in values:
-        sums.append(sums[-1] + v)
-    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(i + 1, window) for i in range(len(values))]
-
-
-def summarize(
-    train: Points, valid: Points, throughput: Sequence[float], target: Optional[float], peak_lr: Optional[float] = None
-) -> Dict:
-    """One run's row of the table (``target``: the validation loss to reach, AdamW's final)."""
-    last = [loss for _, loss in train[-10:]]
-    return {
-        "peak_lr": peak_lr,
-        "iterations": train[-1][0] if train else 0,
-        "final_train_loss": statistics.fmean(last) if last else None,
-        "final_valid_loss": valid[-1][1] if valid else None,
-        "best_valid_loss": min(loss for _, loss in valid) if valid else None,
-        "tokens_per_s": statistics.median(throughput) if throughput else None,
-        "iters_to_adam_final_valid": iterations_to_reach(valid, target) if target is not None else None,
-    }
-
-
-def _fmt(value: Optional[float], spec: str = ".4f") -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def table(summaries: Dict[str, Dict], eval_interval: Optional[int]) -> str:
-    rows = [
-        "| optimizer | peak lr | final train loss (mean of last 10) | final valid loss | best valid loss "
-        "| tokens/s (median) | iterations to reach AdamW's final valid loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+def plan(peers: Sequence[str], lrs: Dict[str, List[float]], seeds: Sequence[int]) -> List[Cell]:
+    """Every cell, seeds outermost and peers innermost: each peer's first run comes early (a
+    peer whose flags fail, fails first), and a study stopped midway has whole seeds done."""
+    depth = max(len(lrs[p]) for p in peers)
+    return [
+        Cell(peer, lrs[peer][i], seed) for seed in seeds for i in range(depth) for peer in peers if i < len(lrs[peer])
     ]
-    for opt, s in summaries.items():
-        reach = s["iters_to_adam_final_valid"]
-        reach = "not reached" if reach is None else f"{reach:.0f} of {s['iterations']}"
-        cells = [
-            LABELS[opt],
-            _fmt(s["peak_lr"], "g"),
-            _fmt(s["final_train_loss"]),
-            _fmt(s["final_valid_loss"]),
-            _fmt(s["best_valid_loss"]),
-            _fmt(s["tokens_per_s"], ".0f"),
-            reach,
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
-    note = f"Validation every {eval_interval} iterations" if eval_interval else "Validation at the recipe's interval"
-    return "\n".join(rows) + f"\n\n{note}; the crossing is linearly interpolated between evaluations.\n"
 
 
-def plot(
-    curves: Dict[str, Dict[str, Points]],
-    path: Path,
-    title: str,
-    target: Optional[float] = None,
-    reach: Optional[float] = None,
-) -> Path:
-    """Training (raw, faint; moving average, solid) and validation losses of every run: the
-    whole run on the left, the curves after their first steep tenth on the right (where
-    they separate)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (whole, zoom) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw=dict(width_ratios=[1, 2]))
-    tops, lows = [], []
-    for opt, c in curves.items():
-        name = LABELS[opt] + (f" (lr {c['peak_lr']:g})" if c.get("peak_lr") else "")
-        its, losses = zip(*c["train"]) if c["train"] else ((), ())
-        window = max(1, len(losses) // 30)
-        smooth = moving_average(losses, window)
-        for ax in (whole, zoom):
-            ax.plot(its, losses, color=COLORS[opt], alpha=0.2, lw=0.8)
-            ax.plot(its, smooth, color=COLORS[opt], lw=1.8, label=f"{name} train, mean of {window}")
-            if c["valid"]:
-                ax.plot(*zip(*c["valid"]), "o--", color=COLORS[opt], ms=4, lw=1, label=f"{name} validation")
-        tops += smooth[len(smooth) // 10 : len(smooth) // 10 + 1]
-        lows += smooth + [loss for _, loss in c["valid"]]
-    for ax in (whole, zoom):
-        if target is not None:
-            ax.axhline(target, color="gray", ls=":", lw=1, label="AdamW final validation loss")
-        if reach is not None:
-            ax.axvline(reach, color=COLORS["muon"], ls=":", lw=1, label=f"Muon reaches it at ~{reach:.0f}")
-        ax.set(xlabel="iteration", ylabel=LOSS_KEY)
-        ax.grid(alpha=0.3)
-    whole.set_title("every iteration", fontsize=10)
-    if tops and lows:
-        zoom.set_ylim(min(lows) - 0.1 * (max(tops) - min(lows)), max(tops) + 0.1 * (max(tops) - min(lows)))
-    zoom.set_title("after the first tenth", fontsize=10)
-    zoom.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+def read_back(path: Path, command: str) -> Optional[Dict]:
+    """A finished cell's result, or None if it has not run; a result of another command is
+    refused (a study's settings changed between runs into the same --out)."""
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    if result["command"] != command:
+        raise SystemExit(
+            f"compare_optimizers.py: error: {path} holds a run of another command:\n  {result['command']}\n"
+            f"this study runs\n  {command}\nuse another --out, or remove that file to run the cell again"
+        )
+    return result
 
 
-def replot(out: Path) -> Path:
-    """``loss_curves.png`` drawn again from ``out/compare.json`` (no run)."""
-    data = json.loads((out / "compare.json").read_text())
-    curves = {name: {k: (v if k == "peak_lr" else [tuple(p) for p in v]) for k, v in c.items()}
-              for name, c in data["curves"].items()}  # fmt: skip
-    reach = data["summary"].get("muon", {}).get("iters_to_adam_final_valid")
-    return plot(curves, out / "loss_curves.png", title(data["recipe"], len(curves) > len(OPTIMIZERS)),
-                data.get("target_valid_loss"), reach)  # fmt: skip
+def run_cell(cell: Cell, cmd: List[str], out: Path) -> Dict:
+    """Run one cell and write its result (``cells/...json``, whole or not at all)."""
+    started = time.monotonic()
+    result = read_log(run_driver(cmd, out / "runs" / f"{cell.name}.log"))
+    result.update(peer=cell.peer, lr=cell.lr, seed=cell.seed, command=shown(cmd),
+                  seconds=round(time.monotonic() - started, 1))  # fmt: skip
+    path = out / "cells" / f"{cell.name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".json.tmp")
+    partial.write_text(json.dumps(result) + "\n")
+    os.replace(partial, path)
+    return result
 
 
-def title(recipe: str, variants: bool) -> str:
-    return f"{Path(recipe).stem}: AdamW vs Muon{' (+ variants)' if variants else ''}, same data and seed"
+def lr_grid(specs: Sequence[str], peers: Sequence[str], recipe_lr: Optional[float]) -> Dict[str, List[float]]:
+    """``--lr PEER=A,B,C`` (or ``--lr A,B`` for every peer) as each peer's learning rates;
+    a peer not named runs at the recipe's."""
+    grid: Dict[str, List[float]] = {}
+    for spec in specs:
+        names, _, values = spec.rpartition("=")
+        for name in names.split(",") if names else peers:
+            if name not in peers:
+                raise SystemExit(f"compare_optimizers.py: error: --lr {spec}: {name!r} is not one of --peers")
+            grid[name] = [float(v) for v in values.split(",") if v]
+    for name in peers:
+        if name not in grid:
+            if recipe_lr is None:
+                raise SystemExit(f"compare_optimizers.py: error: give --lr {name}=... (the recipe sets no lr)")
+            grid[name] = [recipe_lr]
+    return grid
+
+
+def _recipe_lr(recipe: str) -> Optional[float]:
+    from megatron_muon.megatron_lm.recipes import load_recipe
+
+    value = {str(k).replace("_", "-"): v for k, v in load_recipe(recipe).items()}.get("lr")
+    return None if value is None else float(value)
+
+
+def heading(recipe: str, peers: Sequence[str], seeds: int) -> str:
+    names = ", ".join(LABELS[p] for p in peers)
+    return f"{Path(recipe).stem}: {names}; best learning rate each, {seeds} seed(s)"
+
+
+def write_outputs(out: Path, data: Dict) -> str:
+    """``study.json``, ``study.md`` and the two plots from the study's data; the markdown."""
+    study = data["study"]
+    title = data["title"]
+    study_report.plot_curves(study, LABELS, COLORS, out / "curves.png", title)
+    study_report.plot_lr_sweep(study, LABELS, COLORS, out / "lr_sweep.png", title)
+    body = study_report.tables(study, LABELS)
+    md = (
+        f"# {title}\n\n![loss curves](curves.png)\n\n{body}\n![final loss against learning rate](lr_sweep.png)\n\n"
+        f"Device: {data['device']}. Produced by\n\n```\n{data['command']}\n```\n\nwhich ran (one line per run)\n\n```\n"
+        + "\n".join(data["commands"])
+        + "\n```\n"
+    )
+    (out / "study.md").write_text(md)
+    (out / "study.json").write_text(json.dumps(data, indent=1) + "\n")
+    return body
+
+
+def _json_keys(study: Dict) -> Dict:
+    """JSON turns the grid's float keys into strings: back to floats."""
+    for s in study["peers"].values():
+        s["grid"] = {float(k): v for k, v in s["grid"].items()}
+    return study
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace, List[str]]:
@@ -303,95 +316,78 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> Tuple[argparse.Namespace
     argv = argv[: argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
-        usage="%(prog)s --out DIR [options] [-- pretrain_gpt.py flags for both runs]",
+        usage="%(prog)s --out DIR [options] [-- pretrain_gpt.py flags for every run]",
     )
     p.add_argument("--recipe", default="tiny_gqa", help="recipe name or YAML file (default tiny_gqa)")
-    p.add_argument("--out", required=True, type=Path, help="folder for the PNG, markdown, JSON and logs")
+    p.add_argument("--out", required=True, type=Path, help="folder for the study (a study there resumes)")
+    p.add_argument("--peers", nargs="+", default=["adamw", "muon"], choices=sorted(PEERS), metavar="PEER",
+                   help="the optimizers: " + "; ".join(f"{k}: {v.label}" for k, v in PEERS.items()))  # fmt: skip
+    p.add_argument("--lr", action="append", default=[], metavar="[PEER[,PEER]=]LR[,LR...]",
+                   help="learning rates to try (repeatable; without PEER= for every peer; default: the recipe's)")  # fmt: skip
+    p.add_argument("--seeds", nargs="+", type=int, default=[1234], help="seeds (default: Megatron-LM's 1234)")
+    p.add_argument("--reference", default="adamw", help="the peer whose best final loss is the target")
+    p.add_argument("--target", type=float, default=None, help="validation loss to reach (default: the reference's)")
+    p.add_argument("--pass-margin", type=float, default=study_report.PASS_MARGIN,
+                   help="the pass rule's margin: (target - mean) * sqrt(seeds) >= it")  # fmt: skip
     for name in ("--train-iters", "--eval-interval", "--eval-iters"):
         p.add_argument(name, type=int, default=None, help="default: the recipe's")
     p.add_argument("--nproc", type=int, default=1, help="ranks; > 1 runs under torchrun")
-    p.add_argument(
-        "--master-port",
-        type=int,
-        default=None,
-        help="torchrun's rendezvous port with --nproc > 1 (default: --standalone, a free port)",
-    )
-    p.add_argument("--adam-lr", type=float, default=None, help="AdamW's --lr (default: the recipe's)")
-    p.add_argument("--muon-lr", type=float, default=None, help="Muon's --lr (default: the recipe's)")
-    p.add_argument("--data-cache-path", default=None, help="shared by both runs (default: the driver's)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="torchrun's rendezvous port with --nproc > 1 (default: --standalone, a free port)")  # fmt: skip
+    p.add_argument("--data-cache-path", default=None, help="shared by every run (default: the driver's)")
     p.add_argument("--keep-runs", action="store_true", help="keep OUT/runs/ (the runs' logs)")
-    p.add_argument("--replot", action="store_true", help="only draw OUT/loss_curves.png again from OUT/compare.json")
-    p.add_argument(
-        "--variants",
-        nargs="*",
-        default=[],
-        choices=sorted(VARIANTS),
-        help="also run Muon with these variants: "
-        + "; ".join(f"{k}: {v[0]} ({' '.join(v[2])})" for k, v in VARIANTS.items()),
-    )
-    return p.parse_args(argv), extra
+    p.add_argument("--replot", action="store_true", help="only draw the plots again from OUT/study.json")
+    args = p.parse_args(argv)
+    if len(set(args.peers)) != len(args.peers):
+        p.error("--peers: a peer named twice")
+    return args, extra
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, extra = parse_args(argv)
     out = args.out.resolve()
     if args.replot:
-        print(f"[compare] drew {replot(out)} from {out / 'compare.json'}")
+        data = json.loads((out / "study.json").read_text())
+        data["study"] = _json_keys(data["study"])
+        write_outputs(out, data)
+        print(f"[study] drew {out / 'curves.png'} and {out / 'lr_sweep.png'} from {out / 'study.json'}")
         return 0
-    runs = out / "runs"
-    runs.mkdir(parents=True, exist_ok=True)
-    commands, curves, throughput, device = {}, {}, {}, ""
-    plan = [(opt, opt, []) for opt in OPTIMIZERS]
-    plan += [(f"muon_{v}", "muon", VARIANTS[v][2]) for v in dict.fromkeys(args.variants)]
-    for name, opt, flags in plan:
-        cmd = driver_command(
-            opt,
-            out,
-            args.recipe,
-            args.nproc,
-            args.adam_lr if opt == "adam" else args.muon_lr,
-            args.train_iters,
-            args.eval_interval,
-            args.eval_iters,
-            args.data_cache_path,
-            [*extra, *flags],
-            args.master_port,
-        )
-        commands[name] = shown(cmd)
-        print(f"[compare] {commands[name]}", flush=True)
-        train, valid, peak_lr, throughput[name] = read_log(run_driver(cmd, runs / f"{name}.log"))
-        curves[name] = {"train": train, "valid": valid, "peak_lr": peak_lr}
-    device = describe_device(args.nproc)
-    adam_valid = curves["adam"]["valid"]
-    target = adam_valid[-1][1] if adam_valid else None
-    summaries = {o: summarize(c["train"], c["valid"], throughput[o], target, c["peak_lr"]) for o, c in curves.items()}
-    reach = summaries["muon"]["iters_to_adam_final_valid"]
-    heading = title(args.recipe, bool(args.variants))
-    plot(curves, out / "loss_curves.png", heading, target, reach)
+    grid = lr_grid(args.lr, args.peers, _recipe_lr(args.recipe))
+    cells = plan(args.peers, grid, args.seeds)
+    commands = {
+        cell: driver_command(cell, args.recipe, args.nproc, args.train_iters, args.eval_interval, args.eval_iters,
+                             args.data_cache_path, extra, args.master_port)
+        for cell in cells
+    }  # fmt: skip
+    results, spent = {}, []
+    for cell in cells:
+        results[cell] = read_back(out / "cells" / f"{cell.name}.json", shown(commands[cell]))
+    done = sum(r is not None for r in results.values())
+    if done:
+        print(f"[study] {done} of {len(cells)} runs read back from {out / 'cells'}", flush=True)
+    for cell in cells:
+        if results[cell] is not None:
+            continue
+        print(f"[study] {shown(commands[cell])}", flush=True)
+        results[cell] = run_cell(cell, commands[cell], out)
+        spent.append(results[cell]["seconds"])
+        done += 1
+        left = (len(cells) - done) * statistics.fmean(spent)
+        print(f"[study] {done}/{len(cells)} done ({cell.name}, {spent[-1]:.0f} s); about {left / 60:.1f} min left",
+              flush=True)  # fmt: skip
+    study = study_report.summarize(list(results.values()), args.reference, args.target, args.pass_margin)
     tool = shown([sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
-    body = table(summaries, args.eval_interval)
-    md = (
-        f"# {heading}\n\n![loss curves](loss_curves.png)\n\n{body}\nDevice: {device or 'unknown'}. "
-        f"Produced by\n\n```\n{tool}\n```\n\nwhich ran\n\n```\n" + "\n".join(commands.values()) + "\n```\n"
-    )
-    (out / "compare.md").write_text(md)
-    (out / "compare.json").write_text(
-        json.dumps(
-            {
-                "recipe": args.recipe,
-                "device": device,
-                "command": tool,
-                "commands": commands,
-                "target_valid_loss": target,
-                "summary": summaries,
-                "curves": curves,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    data = {
+        "recipe": args.recipe,
+        "title": heading(args.recipe, args.peers, len(args.seeds)),
+        "device": describe_device(args.nproc),
+        "command": tool,
+        "commands": [shown(commands[c]) for c in cells],
+        "study": study,
+    }
+    body = write_outputs(out, data)
     if not args.keep_runs:
-        shutil.rmtree(runs)
+        shutil.rmtree(out / "runs", ignore_errors=True)
     print(body, end="")
     return 0
 

@@ -427,6 +427,30 @@ def no_premul_sum() -> None:
     arguments.validate_args = validate_args
 
 
+def jit_warmup_keeps_the_rng() -> None:
+    """Megatron-LM's start-up warms up its fused functions on random tensors of
+    ``seq_length / context_parallel_size`` rows (``initialize._warmup_jit_function``), drawn
+    from the CUDA generator on a GPU. Here the "CUDA" generator is the CPU's, which also
+    initializes the MoE routers' weights (created on the CPU, outside the tracker's fork): the
+    warm-up made them depend on the context-parallel size (CP2 started from other routers than
+    DP2). It now leaves the CPU generator as it found it, as a GPU's warm-up does."""
+    import megatron.training.initialize as initialize
+
+    if "_warmup_jit_function" in _APPLIED:
+        return
+    original = _APPLIED["_warmup_jit_function"] = initialize._warmup_jit_function
+
+    @functools.wraps(original)
+    def warmup(*a, **kw):
+        state = torch.get_rng_state()
+        try:
+            return original(*a, **kw)
+        finally:
+            torch.set_rng_state(state)
+
+    initialize._warmup_jit_function = warmup
+
+
 def quiet_cpu_rng_warning() -> None:
     """On the CPU the "CUDA" RNG is the CPU generator, and Megatron's tracker warns about it
     at every tensor-parallel fork: silence that logger only."""
@@ -456,6 +480,7 @@ def install() -> bool:
     allow_cpu_initialization()
     no_device_architecture()
     no_premul_sum()
+    jit_warmup_keeps_the_rng()
     quiet_cpu_rng_warning()
     if not compiles_on_cpu():
         torch._dynamo.config.disable = True

@@ -1,76 +1,109 @@
-"""``tools/compare_optimizers.py``: AdamW against Muon on one recipe.
+"""``tools/compare_optimizers.py``: the optimizer study (peers x learning rates x seeds).
 
-End to end (a few iterations of tiny_gqa, CPU subprocesses): the PNG, markdown and JSON
-are written and the table has both optimizers. Unit tests: the interpolated "iterations to
-reach AdamW's final validation loss", the reader of Megatron-LM's log lines and the table.
+End to end (the tool's tiny configuration: two peers, two learning rates each, one seed, a
+few iterations of tiny_gqa on the CPU): interrupted after two runs, started again, it runs
+only the other two; the tables, the plots and ``--replot``; a changed setting into the same
+folder is refused. Unit tests: the pass rule and the statistics on made-up runs, the reader
+of Megatron-LM's log lines, every peer's flags through Megatron-LM's validation.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.helpers import REPO
-from tools.compare_optimizers import iterations_to_reach, read_log, summarize, table
+from tools.compare_optimizers import PEERS, Cell, driver_command, lr_grid, parse_args, plan, read_log
+from tools.study_report import iterations_to_reach, summarize, tables
 
-ROOT = REPO
+TOOL = [sys.executable, str(REPO / "tools" / "compare_optimizers.py")]
 
 
-@pytest.mark.timeout(240)
-def test_compare_tiny_gqa(tmp_path):
-    out = tmp_path / "out"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # CPU everywhere, as the other driver tests
-    # --adam-lr below the recipe's min-lr (0.001): the tool lowers AdamW's min-lr to match.
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "compare_optimizers.py"),
-        "--recipe",
-        "tiny_gqa",
-        "--out",
-        str(out),
-        "--train-iters",
-        "6",
-        "--eval-interval",
-        "3",
-        "--eval-iters",
-        "1",
-        "--adam-lr",
-        "0.0005",
-        "--data-cache-path",
-        str(tmp_path / "cache"),
-        "--keep-runs",
-        "--",
-        "--seed",
-        "7",
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+def _study(out, cache, *more):
+    return TOOL + [
+        "--out", str(out), "--peers", "adamw", "muon", "--lr", "adamw=0.001,0.002", "--lr", "muon=0.005,0.01",
+        "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--data-cache-path", str(cache), *more,
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_tiny_study_resumes_after_an_interruption(tmp_path):
+    out, cache = tmp_path / "study", tmp_path / "cache"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cmd = _study(out, cache, "--keep-runs")
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 200
+        while len(list(out.glob("cells/*/*.json"))) < 2 and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the tool and the run it is in
+        first.wait()
+    finished = {p: p.read_bytes() for p in out.glob("cells/*/*.json")}
+    assert len(finished) == 2, sorted(finished)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| AdamW |" in proc.stdout and "| Muon |" in proc.stdout
-    png = (out / "loss_curves.png").read_bytes()
-    assert png.startswith(b"\x89PNG") and len(png) > 10_000
-    md = (out / "compare.md").read_text()
-    assert "| AdamW | 0.0005 |" in md and "| Muon | 0.01 |" in md and "loss_curves.png" in md
-    assert "--optimizer adam" in md and "--optimizer muon" in md and "--seed 7" in md
-    data = json.loads((out / "compare.json").read_text())
-    assert set(data["summary"]) == {"adam", "muon"}
-    for opt, s in data["summary"].items():
-        assert s["iterations"] == 6 and s["tokens_per_s"] > 0
-        assert [it for it, _ in data["curves"][opt]["valid"]] == [3, 6]
-        assert len(data["curves"][opt]["train"]) == 6
-    assert data["target_valid_loss"] == data["summary"]["adam"]["final_valid_loss"]
-    assert data["summary"]["adam"]["iters_to_adam_final_valid"] is not None  # AdamW reaches its own final loss
-    assert (out / "runs" / "adam.log").is_file() and "[after training is done]" in (
-        out / "runs" / "muon.log"
-    ).read_text()
-    # --replot draws the picture again from compare.json alone (no run): the same axes' data
-    (out / "loss_curves.png").unlink()
-    again = subprocess.run(cmd[:6] + ["--replot"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 0 and (out / "loss_curves.png").read_bytes().startswith(b"\x89PNG"), again.stderr
-    assert "adam.log" not in again.stdout
+    assert "[study] 2 of 4 runs read back" in proc.stdout
+    assert proc.stdout.count("[study] python tools/pretrain_gpt.py") == 2 and "[study] 4/4 done" in proc.stdout
+    assert all(p.read_bytes() == data for p, data in finished.items())  # read back, not run again
+    # the table: each peer at its best learning rate, the grid, the commands
+    md = (out / "study.md").read_text()
+    assert "| AdamW | 0.00" in md and "| Muon, exact (ours) | 0.0" in md and "lr 0.005" in md
+    assert md.count("python tools/pretrain_gpt.py") == 4 and "--seed 1234" in md
+    data = json.loads((out / "study.json").read_text())
+    peers = data["study"]["peers"]
+    assert set(peers) == {"adamw", "muon"} and data["study"]["target"] == peers["adamw"]["final_valid_mean"]
+    for s in peers.values():
+        assert len(s["grid"]) == 2 and s["seeds"] == 1 and s["iterations"] == 4
+        assert [it for it, _ in s["valid"]] == [2, 4] and s["tokens_per_iteration"] > 0
+    for png in ("curves.png", "lr_sweep.png"):
+        assert (out / png).read_bytes().startswith(b"\x89PNG"), png
+        (out / png).unlink()
+    again = subprocess.run(TOOL + ["--out", str(out), "--replot"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert again.returncode == 0 and (out / "lr_sweep.png").is_file() and (out / "curves.png").is_file(), again.stderr
+    # the same folder with another setting: refused before anything runs, nothing changed
+    changed = subprocess.run(_study(out, cache, "--seeds", "1234", "--", "--micro-batch-size", "2"), cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert changed.returncode != 0 and "holds a run of another command" in changed.stderr, changed.stderr[-2000:]
+    assert all(p.read_bytes() == data for p, data in finished.items())
+
+
+def _run(peer, lr, seed, valid, tokens=1000):
+    return dict(peer=peer, lr=lr, seed=seed, valid=valid, train=[(i, v) for i, v in valid], tokens_per_s=1.0,
+                tokens_per_iteration=tokens)  # fmt: skip
+
+
+def test_pass_rule_and_best_learning_rate():
+    """Three seeds each; AdamW's best lr sets the target (its mean final loss, 3.0). Muon's
+    best lr (0.02) reaches target - 0.004 / sqrt(3) between its evaluations at 20 and 30."""
+    runs = []
+    for seed, d in ((1, -0.01), (2, 0.0), (3, 0.01)):
+        runs.append(_run("adamw", 0.001, seed, [(10, 4.0 + d), (20, 3.5 + d), (30, 3.2 + d)]))
+        runs.append(_run("adamw", 0.002, seed, [(10, 3.8 + d), (20, 3.3 + d), (30, 3.0 + d)]))
+        runs.append(_run("muon", 0.02, seed, [(10, 3.5 + d), (20, 3.1 + d), (30, 2.9 + d)]))
+        runs.append(_run("muon", 0.04, seed, [(10, 3.6), (20, math.nan), (30, math.nan)]))  # diverged
+    study = summarize(runs, reference="adamw", target=None)
+    adamw, muon = study["peers"]["adamw"], study["peers"]["muon"]
+    assert study["target"] == pytest.approx(3.0) and adamw["best_lr"] == 0.002 and muon["best_lr"] == 0.02
+    assert muon["final_valid_mean"] == pytest.approx(2.9) and muon["final_valid_spread"] == pytest.approx(0.01)
+    assert muon["grid"][0.04]["mean"] == math.inf  # a diverged run loses, it is not left out
+    level = 3.0 - 0.004 / math.sqrt(3)
+    assert muon["tokens_to_target"] == pytest.approx((20 + (3.1 - level) / (3.1 - 2.9) * 10) * 1000)
+    assert adamw["tokens_to_target"] is None  # its own final mean is the target: not beaten by the margin
+    text = tables(study, {"adamw": "AdamW", "muon": "Muon"})
+    assert "| Muon | 0.02 (grid edge) | 2.9000 ± 0.0100 (3) | 25,115 | 0.84 |" in text and "**3.0000 ± 0.0100**" in text
+    # a target given: one seed needs the whole margin
+    one = summarize([r for r in runs if r["seed"] == 2], reference="adamw", target=3.2)
+    assert one["peers"]["adamw"]["tokens_to_target"] == pytest.approx((20 + (3.3 - 3.196) / 0.3 * 10) * 1000)
 
 
 def test_iterations_to_reach_interpolates():
@@ -83,7 +116,7 @@ def test_iterations_to_reach_interpolates():
     assert iterations_to_reach([(0, 5.0), (10, 3.0), (20, 4.0), (30, 2.0)], 4.0) == pytest.approx(5.0)
 
 
-def test_read_log_summarize_and_table():
+def test_read_log():
     line = (
         " [2026-11-23 21:36:29.672696] iteration {i:8d}/      12 | consumed samples: {c:12d} | elapsed time per "
         "iteration (ms): 80.0 | learning rate: {lr:.6E} | global batch size:     8 | lm loss: {loss:.6E} | "
@@ -98,52 +131,56 @@ def test_read_log_summarize_and_table():
         " validation loss at iteration 12 on validation set | lm loss value: 5.000000E+00 | ",  # same point
         " validation loss at iteration 12 on test set | lm loss value: 1.000000E+00 | ",
     ]
-    train, valid, peak_lr, speed = read_log("\n".join(lines))
-    assert [it for it, _ in train] == list(range(1, 13)) and valid == [(6, 6.0), (12, 5.0)] and peak_lr == 0.01
-    assert speed == [pytest.approx(8 * 64 / 0.08)] * 12
-    valid = [(0, 6.0), (12, 5.0)]
-    s = summarize(train, valid, [100.0, 300.0, 200.0], target=5.5, peak_lr=peak_lr)
-    assert s["final_train_loss"] == pytest.approx(6.0 - 0.1 * 7.5)  # mean of iterations 3..12
-    assert s["final_valid_loss"] == s["best_valid_loss"] == 5.0 and s["tokens_per_s"] == 200.0
-    assert s["iters_to_adam_final_valid"] == pytest.approx(6.0)
-    never = dict(s, iters_to_adam_final_valid=None)
-    text = table({"adam": s, "muon": never}, eval_interval=12)
-    assert "| AdamW | 0.01 | 5.2500 | 5.0000 | 5.0000 | 200 | 6 of 12 |" in text
-    assert "| Muon |" in text and "not reached" in text and "every 12 iterations" in text
+    got = read_log("\n".join(lines))
+    assert [it for it, _ in got["train"]] == list(range(1, 13)) and got["valid"] == [(6, 6.0), (12, 5.0)]
+    assert got["peak_lr"] == 0.01 and got["tokens_per_s"] == pytest.approx(8 * 64 / 0.08)
+    assert got["tokens_per_iteration"] == 8 * 64
 
 
-def _variant_configs(flags_by_name: dict) -> dict:
-    """In a fresh process: each variant's flags through Megatron-LM's parser and validation."""
+def _peer_configs(flags_by_name: dict) -> dict:
+    """In a fresh process: each peer's flags through Megatron-LM's parser and validation."""
     from megatron_muon.megatron_lm.integration import muon_config_from_megatron
     from megatron_muon.megatron_lm.launch import validated_args
 
     out = {}
     for name, flags in flags_by_name.items():
-        cfg = muon_config_from_megatron(validated_args(["--recipe", "tiny_gqa", *flags]))
-        out[name] = (cfg.muon_variance_reduction, cfg.muon_cautious_weight_decay)
+        args = validated_args(["--recipe", "tiny_gqa", "--bf16", "--tensor-model-parallel-size", "2", *flags], 2)
+        cfg = muon_config_from_megatron(args) if args.optimizer == "muon" else None
+        # ours reads the TP mode from MuonConfig (exact unless given); Megatron-core's from its flag
+        tp_mode = cfg.muon_tp_mode if cfg and args.muon_impl == "megatron_muon" else args.muon_tp_mode
+        out[name] = (args.optimizer, args.muon_impl, tp_mode, cfg and cfg.muon_variance_reduction,
+                     cfg and cfg.muon_cautious_weight_decay)  # fmt: skip
     return out
 
 
-def test_variants_are_driver_flags(tmp_path):
-    """Every --variants entry adds a Muon run whose extra flags the driver accepts."""
+def test_peers_are_driver_flags():
+    """Every peer's flags pass Megatron-LM's validation and mean what the peer's name says."""
     from megatron_muon.testing import run_distributed
-    from tools.compare_optimizers import VARIANTS, driver_command, parse_args
 
-    args, _ = parse_args(["--out", str(tmp_path), "--variants", "vr", "cautious"])
-    assert args.variants == ["vr", "cautious"]
-    for _, _, flags in VARIANTS.values():
-        cmd = driver_command("muon", tmp_path, "tiny_gqa", extra=flags)
-        assert cmd[-len(flags) :] == flags
-    got = run_distributed(_variant_configs, 1, {n: v[2] for n, v in VARIANTS.items()}, timeout_s=200)[0]
-    assert got == {"vr": (0.95, False), "cautious": (None, True)}
+    got = run_distributed(_peer_configs, 1, {n: list(p.flags) for n, p in PEERS.items()}, timeout_s=200)[0]
+    assert got["adamw"][0] == "adam"
+    assert got["muon"][1:3] == ("megatron_muon", "exact") and got["muon_blockwise"][2] == "blockwise"
+    for mode in ("blockwise", "duplicated", "distributed"):
+        name = "megatron_muon" if mode == "blockwise" else f"megatron_muon_{mode}"
+        assert got[name][1:3] == ("megatron", mode), (name, got[name])
+    assert got["muon_vr"][3] == 0.95 and got["muon_cautious"][4] is True
 
 
-def test_master_port_reaches_torchrun(tmp_path):
-    """--master-port with --nproc 2 runs torchrun on that port instead of --standalone (other
-    jobs on the machine may hold torchrun's default port)."""
-    from tools.compare_optimizers import driver_command, parse_args
-
+def test_plan_grid_and_port(tmp_path):
+    """Seeds outermost, each peer's first run early; --lr per peer or for all; --master-port
+    reaches torchrun with --nproc 2 (other jobs may hold torchrun's default port)."""
+    grid = lr_grid(["adamw=0.001,0.002", "0.01"], ["adamw", "muon"], recipe_lr=None)
+    assert grid == {"adamw": [0.01], "muon": [0.01]}  # a later --lr for every peer wins
+    grid = lr_grid(["adamw=0.001,0.002"], ["adamw", "muon"], recipe_lr=0.01)
+    assert grid == {"adamw": [0.001, 0.002], "muon": [0.01]}
+    cells = plan(["adamw", "muon"], grid, [1, 2])
+    assert [c.name for c in cells[:3]] == ["adamw/lr0.001_seed1", "muon/lr0.01_seed1", "adamw/lr0.002_seed1"]
+    assert len(cells) == 6
+    with pytest.raises(SystemExit):
+        lr_grid(["sgd=0.1"], ["adamw"], recipe_lr=0.01)
     args, _ = parse_args(["--out", str(tmp_path), "--nproc", "2", "--master-port", "29871"])
-    cmd = driver_command("muon", tmp_path, "tiny_gqa", nproc=args.nproc, master_port=args.master_port)
+    cmd = driver_command(Cell("muon", 0.01, 1), "tiny_gqa", nproc=args.nproc, master_port=args.master_port)
     assert "--standalone" not in cmd and cmd[cmd.index("--master-port") + 1] == "29871"
-    assert "--standalone" in driver_command("muon", tmp_path, "tiny_gqa", nproc=2)
+    assert "--standalone" in driver_command(Cell("muon", 0.01, 1), "tiny_gqa", nproc=2)
+    low = driver_command(Cell("adamw", 0.0005, 7), "tiny_gqa")  # below the recipe's min-lr (0.001): lowered
+    assert low[low.index("--min-lr") + 1] == "0.0005" and low[low.index("--seed") + 1] == "7"

@@ -173,11 +173,21 @@ def _same_run(got, want) -> None:
 
 
 @pytest.mark.slow
-def test_context_parallel_logs_the_data_parallel_losses(two_rank_runs):
+@pytest.mark.parametrize(
+    "recipe,layout",
+    [
+        pytest.param("tiny_gqa", (), id="tiny_gqa"),
+        pytest.param("tiny_moe_mla", ("--expert-model-parallel-size", "2"), id="tiny_moe_mla-EP2"),
+    ],
+)
+def test_context_parallel_logs_the_data_parallel_losses(two_rank_runs, recipe, layout):
     """--context-parallel-size 2 on 2 ranks against DP2: the same global batch, each CP rank
     holding half of every sequence (Megatron's load-balanced split; K/V gathered over CP in
-    our CPU attention); QK-Clip takes each head's max over the CP ranks."""
-    _same_run(two_rank_runs("tiny_gqa", "--context-parallel-size", "2"), two_rank_runs("tiny_gqa"))
+    our CPU attention); QK-Clip takes each head's max over the CP ranks. With MoE + MLA the
+    experts span the CP ranks. (MoE under CP started from other router weights until
+    Megatron-LM's start-up warm-up stopped drawing from the CPU generator: cpu.py's
+    jit_warmup_keeps_the_rng.)"""
+    _same_run(two_rank_runs(recipe, *layout, "--context-parallel-size", "2"), two_rank_runs(recipe, *layout))
 
 
 @pytest.mark.slow
@@ -318,10 +328,9 @@ def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer
     noise (DCP reshards the DTensors, the GLU halves split for it); a corrupted copy is refused
     before any read. Unconverted, a DistributedOptimizer run refuses it in one line naming the
     command; to-torch-dist resumes there (1e-4: DDP and Megatron-FSDP reduce in different
-    orders) and to-fsdp-dtensor brings it back bit for bit; muon-to-adam resumes Megatron's
-    AdamW on Megatron-FSDP from the same weights (iteration 4's loss is computed before any
-    step)."""
-    ckpt, ddp, back, adam = (tmp_path / name for name in ("ckpt", "ddp", "back", "adam"))
+    orders) and to-fsdp-dtensor brings it back bit for bit. (muon-to-adam on Megatron-FSDP:
+    test_megatron_fsdp_adamw_checkpoint_resumes_and_switches_to_muon_and_back.)"""
+    ckpt, ddp, back = (tmp_path / name for name in ("ckpt", "ddp", "back"))
     args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
     full = run(TWO_RANKS + args + ["--save", str(ckpt), "--save-interval", "3"], timeout=300)
     assert (ckpt / "iter_0000003" / ".metadata").is_file() and (ckpt / "iter_0000003" / "integrity.json").is_file()
@@ -362,11 +371,6 @@ def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer
     on_fsdp = run(TWO_RANKS + args + ["--load", str(back)], timeout=300)
     assert all(losses(on_fsdp)[i] == want[i] for i in (4, 6)), (losses(on_fsdp), want)
     assert validation(on_fsdp)[6] == validation(full)[6]
-
-    run(CONVERT + ["muon-to-adam", str(ckpt / "iter_0000003"), str(adam)])
-    adam_args = DEFAULT_FORMAT + MEGATRON_FSDP.split() + ["--optimizer", "adam", "--data-cache-path", str(cache)]
-    on_adam = losses(run(TWO_RANKS + adam_args + ["--load", str(adam)], timeout=300))
-    assert on_adam[4] == want[4] and on_adam[6] < on_adam[4], on_adam
 
 
 @pytest.mark.slow
