@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from torch.profiler import record_function
 
 from .config import MuonConfig, update_scale
 from .matrices import MuonParam, unwrap
@@ -324,11 +325,13 @@ def update(optimizers: Sequence[MuonDistributedOptimizer], overlap_expert: bool,
                 drive(chunk_list, config.muon_max_inflight_chunks)
         for opt in optimizers:
             opt.end_muon_step()
-            opt.optimizer.step()  # AdamW on the scalar parameters
+            with record_function("muon/adamw"):
+                opt.optimizer.step()  # AdamW on the scalar parameters
         for opt in optimizers:
             if opt.qk_clip is not None:
-                opt.qk_clip.apply(opt.shard_map)
-    with megatron_timer(config, "optimizer-copy-main-to-model-params"):
+                with record_function("muon/qk_clip"):
+                    opt.qk_clip.apply(opt.shard_map)
+    with megatron_timer(config, "optimizer-copy-main-to-model-params"), record_function("muon/copy_to_model"):
         for opt in optimizers:
             opt.storage.copy_masters_to_model()
     for opt in optimizers:

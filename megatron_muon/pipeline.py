@@ -21,6 +21,10 @@ chunks ahead of the one it completes, so one chunk's communication travels while
 computes, and runs other chunks (the expert optimizer's) while the first gathers are in
 flight. Everything a chunk sends and receives was computed once from the plan
 (``planner.rank_messages``); nothing is passed in as a callable.
+
+Each stage is a ``torch.profiler`` range, ``muon/momentum``, ``muon/gather`` (the launch and
+the wait), ``muon/newton_schulz``, ``muon/scatter`` (launch and wait), ``muon/update``: a
+trace (Megatron-LM's ``--profile --use-pytorch-profiler``) shows where the step's time goes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from .multirank_newton_schulz import multirank_newton_schulz
 from .newton_schulz import newton_schulz
@@ -88,43 +93,50 @@ def chunk_update(
     and weight decay of Muon param ``p``; ``kept``: orthogonalization inputs of ranges a
     later chunk sends again (shared by the chunks of one step)."""
     # 1. Momentum of the ranges this chunk advances; the Nesterov input.
-    states = step.shard_states.fetch(msg)
-    bufs = states[MOMENTUM]
-    grads = [step.masters[p].grad[s:e] for p, s, e in msg.momentum]
-    if bufs:
-        torch._foreach_mul_(bufs, step.momentum)
-        torch._foreach_add_(bufs, grads)
-    inputs = torch._foreach_add(grads, bufs, alpha=step.momentum) if step.nesterov and bufs else bufs
-    current = dict(zip(msg.momentum, inputs))
-    kept.update({piece: current[piece].clone() for piece in msg.kept})
+    with record_function("muon/momentum"):
+        states = step.shard_states.fetch(msg)
+        bufs = states[MOMENTUM]
+        grads = [step.masters[p].grad[s:e] for p, s, e in msg.momentum]
+        if bufs:
+            torch._foreach_mul_(bufs, step.momentum)
+            torch._foreach_add_(bufs, grads)
+        inputs = torch._foreach_add(grads, bufs, alpha=step.momentum) if step.nesterov and bufs else bufs
+        current = dict(zip(msg.momentum, inputs))
+        kept.update({piece: current[piece].clone() for piece in msg.kept})
 
     # 2. Gather: every piece to the owner of its matrix.
-    send = pack(
-        [current[piece] if piece in current else kept[piece] for piece in msg.gather_send],
-        step.comm_dtype,
-        step.device,
-    )
-    step.shard_states.release(msg)
-    recv, work = exchange(step.group, send, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote)
+    with record_function("muon/gather"):
+        send = pack(
+            [current[piece] if piece in current else kept[piece] for piece in msg.gather_send],
+            step.comm_dtype,
+            step.device,
+        )
+        step.shard_states.release(msg)
+        recv, work = exchange(step.group, send, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote)
     yield
 
     # 3. Newton–Schulz of the owned matrices, times their update scales.
-    if work is not None:
-        work.wait()
-    updates = orthogonalize(step, msg, assemble(msg, recv))
+    with record_function("muon/gather"):
+        if work is not None:
+            work.wait()
+    with record_function("muon/newton_schulz"):
+        updates = orthogonalize(step, msg, assemble(msg, recv))
 
     # 4. Scatter: every piece of every update to the rank holding it.
-    send = pack(cut_pieces(msg, updates), step.comm_dtype, step.device)
-    recv, work = exchange(step.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
+    with record_function("muon/scatter"):
+        send = pack(cut_pieces(msg, updates), step.comm_dtype, step.device)
+        recv, work = exchange(step.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
     yield
 
     # 5. Decoupled weight decay and the update, on the fp32 master ranges.
-    if work is not None:
-        work.wait()
-    recv = recv.float()
-    for p, s, e, offset in msg.scatter_apply:
-        lr, wd = lr_wd[p]
-        decay_and_update_(step.masters[p][s:e], recv[offset : offset + e - s], lr, wd, step.cautious)
+    with record_function("muon/scatter"):
+        if work is not None:
+            work.wait()
+    with record_function("muon/update"):
+        recv = recv.float()
+        for p, s, e, offset in msg.scatter_apply:
+            lr, wd = lr_wd[p]
+            decay_and_update_(step.masters[p][s:e], recv[offset : offset + e - s], lr, wd, step.cautious)
 
 
 def decay_and_update_(master: torch.Tensor, update: torch.Tensor, lr: float, wd: float, cautious: bool) -> None:

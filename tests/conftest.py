@@ -64,10 +64,21 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         Path(os.environ.pop(GROUPS)).unlink(missing_ok=True)
 
 
+LONGEST_FIRST = ("tests/e2e/test_pretrain.py", "tests/e2e/", "tests/dist/", "tests/unit/")
+"""The order tests are handed to the workers: the tiers with the longest tests first, so that
+the many short ones fill both workers at the end instead of one worker finishing a long
+job alone."""
+
+
+def _tier(item) -> int:
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if item.nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items) -> None:
     for item in items:
         if E2E in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=_tier)  # stable: the order within a tier is the collection's
     workerinput = getattr(config, "workerinput", None)
     if workerinput is not None and workerinput.get("workerid") == "gw0" and os.environ.get(GROUPS):
         path = Path(os.environ[GROUPS])

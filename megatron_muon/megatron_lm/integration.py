@@ -469,6 +469,15 @@ def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any, installed:
     return wrap_model_chunks_with_ddp
 
 
+def _wraps(function: Any, wrapper: Callable) -> bool:
+    """Whether ``function`` is ``wrapper`` or a ``functools.wraps`` layer over it."""
+    while function is not None:
+        if function is wrapper:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
+
+
 def use_megatron_muon(
     arguments_module: Optional[types.ModuleType] = None, training_module: Optional[types.ModuleType] = None
 ) -> Callable[[], None]:
@@ -525,9 +534,12 @@ def use_megatron_muon(
         fix_gradient_accumulation_on_single_rank_groups()
 
     def undo() -> None:
-        """Restore Megatron-LM's functions (those still carrying our wrapper)."""
+        """Restore Megatron-LM's functions that carry our wrapper, with any layer stacked on it
+        since (``launch.install_launch_validation``'s, which is installed again with ours): a
+        wrapper left under another layer would stay in force and a later install would wrap
+        it twice."""
         for module, name, original, wrapper in patches:
-            if getattr(module, name) is wrapper:
+            if _wraps(getattr(module, name), wrapper):
                 setattr(module, name, original)
         installed.optimizer = installed.muon_config = None
 

@@ -338,3 +338,20 @@ def test_megatron_lm_builds_trains_and_checkpoints_our_optimizer(megatron_lm, tm
         assert r["vs_direct"] < 1e-6, r  # Megatron-LM's DDP wrapping and its clip_qk call change nothing
         assert all(reported == ours > 0.04 for reported, ours in r["logged"]), r["logged"]  # clipped, reported
         assert r["steps_after_load"] == 2 and r["resumed"] < 1e-6, r
+
+
+def test_undo_then_install_again_validates_once(megatron_lm):
+    """The undo of ``use_megatron_muon`` also removes the launch validation stacked on it, so
+    installing the driver's layers again validates a QK-Clip recipe. (The undo used to leave
+    validate_args wrapped under the launch layer and a second install wrapped it again: the
+    launch checks then ran inside our validation, where Megatron-LM sees 'adam', and refused
+    the recipe's --qk-clip; a CI run hit it through the docs' DeepSeek-V3 launch line.)"""
+    from megatron_muon.megatron_lm import launch
+
+    arguments, training = megatron_lm
+    launch.install_argument_layers()
+    training.get_megatron_optimizer.__megatron_muon_undo__()
+    assert not getattr(arguments.validate_args, "__megatron_muon_launch__", False)
+    launch.install_argument_layers()
+    args = launch.validated_args(["--recipe", "tiny_moe_mla"])
+    assert args.optimizer == "muon" and args.qk_clip

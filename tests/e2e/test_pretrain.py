@@ -128,6 +128,27 @@ def test_tensorboard_and_wandb_hold_megatron_lm_and_muon_scalars(cache, tmp_path
     assert all(m >= a > 0 for m, a in zip(scalars["muon/max-attention-logit"], scalars["muon/mean-attention-logit"]))
 
 
+def test_profiler_trace_shows_the_muon_step(cache, tmp_path):
+    """Megatron-LM's --profile --use-pytorch-profiler on the CPU: the trace of a profiled
+    iteration holds each phase of the Muon step as a ``muon/...`` range, and (the step runs
+    whole between the backward and the next forward) Newton-Schulz starts after the
+    iteration's last backward operation."""
+    import gzip
+    import json
+
+    run(short_run("tiny_gqa", cache, "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+                  "--profile-step-end", "3", "--tensorboard-dir", str(tmp_path / "tb"), iterations=4))  # fmt: skip
+    trace = json.loads(gzip.decompress((tmp_path / "torch_profile" / "rank-0.json.gz").read_bytes()))
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    (step,) = [e for e in events if e["name"].startswith("ProfilerStep#")]
+    inside = [e for e in events if step["ts"] <= e["ts"] <= step["ts"] + step["dur"]]
+    names = {e["name"] for e in inside}
+    for phase in ("momentum", "gather", "newton_schulz", "scatter", "update", "adamw", "copy_to_model"):
+        assert f"muon/{phase}" in names, (phase, sorted(n for n in names if n.startswith("muon/")))
+    backward = max(e["ts"] for e in inside if e["name"].startswith("autograd::engine::evaluate_function"))
+    assert all(e["ts"] > backward for e in inside if e["name"] == "muon/newton_schulz")
+
+
 def _tensorboard_scalars(directory: Path) -> Dict[str, List[float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
