@@ -119,8 +119,8 @@ class RecordingDotProductAttention(MegatronModule):
             # Gathered rank by rank, the keys are in the load-balanced chunk order (0, 3, 1, 2
             # for CP2); in sequence order, the softmax and probs @ v add as without CP.
             size = self.cp_group.size()
-            gathered = torch.cat([cp_positions(query.shape[0], r, size, key.device) for r in range(size)])
-            order = torch.argsort(gathered)
+            positions = [cp_positions(query.shape[0], r, size, key.device) for r in range(size)]
+            order = torch.argsort(torch.cat(positions))
             key, value = key[order], value[order]
         repeat = query.shape[2] // key.shape[2]
         if repeat > 1:
@@ -132,9 +132,8 @@ class RecordingDotProductAttention(MegatronModule):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         masked = attention_mask
         if self.cp_group is not None:
-            q_pos = cp_positions(sq, self.cp_group.rank(), self.cp_group.size(), scores.device)
-            if masked is None and mask_type == AttnMaskType.causal:
-                masked = torch.arange(sk, device=scores.device)[None, :] > q_pos[:, None]
+            if masked is None and mask_type == AttnMaskType.causal:  # this rank's queries' positions
+                masked = torch.arange(sk, device=scores.device)[None, :] > positions[self.cp_group.rank()][:, None]
         elif masked is None and mask_type == AttnMaskType.causal:
             masked = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(sk - sq + 1)
         if self.record and self.training:

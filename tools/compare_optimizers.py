@@ -32,6 +32,7 @@ The picture in docs/images/compare_tiny_gqa::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -52,7 +53,6 @@ if __package__ in (None, ""):  # run as a script: the repository's root on the p
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tools import study_report  # noqa: E402
-from tools.study_report import Points, iterations_to_reach  # noqa: E402, F401 (the tests' and gpu_check's)
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tools" / "pretrain_gpt.py"
@@ -128,7 +128,7 @@ def driver_command(
     cmd = [TORCHRUN, *rendezvous, "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(DRIVER), "--recipe", recipe, *PEERS[cell.peer].flags, "--log-interval", "1"]
     if not any(t.startswith("--min-lr") for t in extra):
-        min_lr = _recipe_min_lr(recipe)
+        min_lr = _recipe_value(recipe, "min-lr")
         if min_lr is not None and min_lr > cell.lr:
             cmd += ["--min-lr", f"{cell.lr:g}"]  # the scheduler needs lr >= min-lr
     cmd += ["--lr", f"{cell.lr:g}", "--seed", str(cell.seed)]
@@ -143,12 +143,14 @@ def driver_command(
     return cmd + list(extra)
 
 
-def _recipe_min_lr(recipe: str) -> Optional[float]:
+@functools.lru_cache(maxsize=None)
+def _recipe_value(recipe: str, key: str) -> Optional[float]:
+    """The recipe's ``lr`` or ``min-lr`` (None when it sets none); read once per study."""
     with warnings.catch_warnings():  # megatron.core's import-time notices
         warnings.simplefilter("ignore")
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-        from megatron_muon.megatron_lm.recipes import load_recipe
-    value = {str(k).replace("_", "-"): v for k, v in load_recipe(recipe).items()}.get("min-lr")
+        from megatron_muon.megatron_lm.recipes import load_recipe, recipe_value
+    value = recipe_value(load_recipe(recipe), key)
     return None if value is None else float(value)
 
 
@@ -273,13 +275,6 @@ def lr_grid(specs: Sequence[str], peers: Sequence[str], recipe_lr: Optional[floa
     return grid
 
 
-def _recipe_lr(recipe: str) -> Optional[float]:
-    from megatron_muon.megatron_lm.recipes import load_recipe
-
-    value = {str(k).replace("_", "-"): v for k, v in load_recipe(recipe).items()}.get("lr")
-    return None if value is None else float(value)
-
-
 def heading(recipe: str, peers: Sequence[str], seeds: int) -> str:
     names = ", ".join(LABELS[p] for p in peers)
     return f"{Path(recipe).stem}: {names}; best learning rate each, {seeds} seed(s)"
@@ -352,7 +347,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         write_outputs(out, data)
         print(f"[study] drew {out / 'curves.png'} and {out / 'lr_sweep.png'} from {out / 'study.json'}")
         return 0
-    grid = lr_grid(args.lr, args.peers, _recipe_lr(args.recipe))
+    grid = lr_grid(args.lr, args.peers, _recipe_value(args.recipe, "lr"))
     cells = plan(args.peers, grid, args.seeds)
     commands = {
         cell: driver_command(cell, args.recipe, args.nproc, args.train_iters, args.eval_interval, args.eval_iters,

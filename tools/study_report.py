@@ -51,11 +51,11 @@ def final_loss(run: Dict) -> float:
     return valid[-1][1] if valid and math.isfinite(valid[-1][1]) else math.inf
 
 
-def mean_curve(runs: Sequence[Dict], key: str) -> Points:
-    """The seeds' mean of a curve (``train`` or ``valid``) at the iterations all of them have."""
+def per_iteration(runs: Sequence[Dict], key: str) -> List[Tuple[int, List[float]]]:
+    """Each run's value of a curve (``train`` or ``valid``) at the iterations all of them have."""
     by_run = [dict(map(tuple, run[key])) for run in runs]
     common = sorted(set.intersection(*(set(d) for d in by_run))) if by_run else []
-    return [(it, statistics.fmean(d[it] for d in by_run)) for it in common]
+    return [(it, [d[it] for d in by_run]) for it in common]
 
 
 def spread(values: Sequence[float]) -> float:
@@ -65,17 +65,20 @@ def spread(values: Sequence[float]) -> float:
 
 def summarize_peer(runs: Sequence[Dict]) -> Dict:
     """One peer's runs: each learning rate's final validation losses (per seed, mean, spread)
-    and the best learning rate (lowest mean)."""
+    and the best learning rate (lowest mean); at it, the seeds' mean curves and the band of
+    their validation losses."""
     by_lr: Dict[float, List[Dict]] = {}
-    for run in runs:
+    for run in sorted(runs, key=lambda r: r["seed"]):
         by_lr.setdefault(run["lr"], []).append(run)
     grid = {}
     for lr, cell in sorted(by_lr.items()):
-        finals = [final_loss(r) for r in sorted(cell, key=lambda r: r["seed"])]
+        finals = [final_loss(r) for r in cell]
         grid[lr] = {"seeds": [r["seed"] for r in cell], "final_valid": finals, "mean": statistics.fmean(finals),
                     "spread": spread(finals) if all(map(math.isfinite, finals)) else math.inf}  # fmt: skip
     best = min(grid, key=lambda lr: grid[lr]["mean"])
     at_best = by_lr[best]
+    speeds = [r["tokens_per_s"] for r in at_best if r.get("tokens_per_s")]
+    valid = per_iteration(at_best, "valid")
     return {
         "grid": grid,
         "best_lr": best,
@@ -85,20 +88,12 @@ def summarize_peer(runs: Sequence[Dict]) -> Dict:
         "seeds": len(at_best),
         "tokens_per_iteration": at_best[0]["tokens_per_iteration"],
         "iterations": max(it for r in at_best for it, _ in r["train"]) if at_best[0]["train"] else 0,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in at_best if r.get("tokens_per_s")) or None
-        if any(r.get("tokens_per_s") for r in at_best)
-        else None,
-        "valid": mean_curve(at_best, "valid"),
-        "train": mean_curve(at_best, "train"),
-        "valid_low": [(it, min(v)) for it, v in _per_iteration(at_best)],
-        "valid_high": [(it, max(v)) for it, v in _per_iteration(at_best)],
+        "tokens_per_s": statistics.median(speeds) if speeds else None,
+        "valid": [(it, statistics.fmean(v)) for it, v in valid],
+        "train": [(it, statistics.fmean(v)) for it, v in per_iteration(at_best, "train")],
+        "valid_low": [(it, min(v)) for it, v in valid],
+        "valid_high": [(it, max(v)) for it, v in valid],
     }
-
-
-def _per_iteration(runs: Sequence[Dict]) -> List[Tuple[int, List[float]]]:
-    by_run = [dict(map(tuple, run["valid"])) for run in runs]
-    common = sorted(set.intersection(*(set(d) for d in by_run))) if by_run else []
-    return [(it, [d[it] for d in by_run]) for it in common]
 
 
 def tokens_to_target(peer: Dict, target: float, margin: float = PASS_MARGIN) -> Optional[float]:

@@ -113,10 +113,9 @@ def without_muon_only_settings(recipe: dict, rest: Sequence[str]) -> dict:
     (``--optimizer adam``, or Megatron-core's Muon): a recipe's QK-Clip is for megatron_muon,
     which clips the fp32 masters; Megatron-core's clips the model weights, which its
     distributed optimizer's masters overwrite at the next step. Says so in one line."""
-    keys = {str(k).strip().lstrip("-").replace("_", "-"): k for k in recipe}
-    optimizer = _given(rest, "--optimizer") or recipe.get(keys.get("optimizer"), "adam")
+    optimizer = _given(rest, "--optimizer") or recipes.recipe_value(recipe, "optimizer", "adam")
     impl = _given(rest, "--muon-impl") or "megatron_muon"
-    if not recipe.get(keys.get("qk-clip")) or (optimizer in ("muon", "dist_muon") and impl == "megatron_muon"):
+    if not recipes.recipe_value(recipe, "qk-clip") or (optimizer in ("muon", "dist_muon") and impl == "megatron_muon"):
         return recipe
     if _first_rank():
         print(
@@ -124,7 +123,7 @@ def without_muon_only_settings(recipe: dict, rest: Sequence[str]) -> dict:
             + (f" --muon-impl {impl}" if optimizer == "muon" else ""),
             flush=True,
         )
-    return {k: v for k, v in recipe.items() if k != keys["qk-clip"]}
+    return {k: v for k, v in recipe.items() if recipes.flag_key(k) != "qk-clip"}
 
 
 ITERATION_SCHEDULE = {
@@ -151,11 +150,11 @@ def sample_based(recipe: dict, global_batch_size: Optional[str]) -> dict:
     the global batch size). Megatron-LM takes one or the other, never both."""
     out = {}
     for raw_key, value in recipe.items():
-        key = str(raw_key).strip().lstrip("-").replace("_", "-")
+        key = recipes.flag_key(raw_key)
         if key == "train-iters":
             continue
         if key in ITERATION_SCHEDULE and value:
-            batch = global_batch_size or recipe.get("global-batch-size") or recipe.get("global_batch_size")
+            batch = global_batch_size or recipes.recipe_value(recipe, "global-batch-size")
             if batch is None:
                 raise recipes.RecipeError(
                     f"the recipe sets {key}, which counts iterations; with --train-samples give "

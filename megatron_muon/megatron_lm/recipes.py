@@ -67,6 +67,18 @@ def load_recipe(name_or_path: str) -> Dict[str, Any]:
     return data
 
 
+def flag_key(raw_key: Any) -> str:
+    """A recipe key as the flag it names, without the dashes: ``lr_warmup_iters``,
+    ``lr-warmup-iters`` and ``--lr-warmup-iters`` are all ``lr-warmup-iters``."""
+    return str(raw_key).strip().lstrip("-").replace("_", "-")
+
+
+def recipe_value(recipe: Dict[str, Any], key: str, default: Any = None) -> Any:
+    """The value the recipe gives flag ``key`` (as :func:`flag_key` spells it), or ``default``."""
+    raw = {flag_key(k): k for k in recipe}.get(key)
+    return default if raw is None else recipe[raw]
+
+
 def _actions(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
     by_key: Dict[str, argparse.Action] = {}
     for action in parser._actions:  # noqa: SLF001 - argparse offers no public listing
@@ -96,7 +108,7 @@ def recipe_to_argv(recipe: Dict[str, Any], parser: argparse.ArgumentParser) -> L
     actions = _actions(parser)
     argv: List[str] = []
     for raw_key, value in recipe.items():
-        key = str(raw_key).strip().lstrip("-").replace("_", "-")
+        key = flag_key(raw_key)
         if key == "recipe":
             raise RecipeError("a recipe cannot include another recipe")
         action: Optional[argparse.Action] = actions.get(key)
