@@ -20,7 +20,8 @@ into ``--out``:
 * ``cells/<peer>/lr<LR>_seed<S>.json``: each finished run's curves and command. A study
   started again into the same ``--out`` reads finished cells back and runs only the others
   (an interrupted study resumes); a finished cell whose command differs is refused;
-* ``runs/``: the runs' logs, removed at the end unless ``--keep-runs``.
+* ``runs/``: the runs' logs, removed at the end unless ``--keep-runs`` (only the logs the
+  study names, and the folders they leave empty: anything else there stays).
 
 The picture in docs/images/compare_tiny_gqa::
 
@@ -39,7 +40,6 @@ import math
 import os
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
@@ -257,6 +257,19 @@ def run_cell(cell: Cell, cmd: List[str], out: Path) -> Dict:
     return result
 
 
+def remove_logs(out: Path, cells: Sequence[Cell]) -> None:
+    """The cells' logs (``runs/PEER/lrLR_seedS.log``) and the folders they leave empty; a
+    file the study did not name stays, with its folders."""
+    runs = out / "runs"
+    for cell in cells:
+        (runs / f"{cell.name}.log").unlink(missing_ok=True)
+    for folder in sorted({(runs / cell.name).parent for cell in cells}) + [runs]:
+        try:
+            folder.rmdir()
+        except OSError:  # absent, or holding what the study did not write
+            pass
+
+
 def lr_grid(specs: Sequence[str], peers: Sequence[str], recipe_lr: Optional[float]) -> Dict[str, List[float]]:
     """``--lr PEER=A,B,C`` (or ``--lr A,B`` for every peer) as each peer's learning rates;
     a peer not named runs at the recipe's."""
@@ -382,7 +395,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     body = write_outputs(out, data)
     if not args.keep_runs:
-        shutil.rmtree(out / "runs", ignore_errors=True)
+        remove_logs(out, cells)
     print(body, end="")
     return 0
 

@@ -20,7 +20,18 @@ import time
 import pytest
 
 from tests.helpers import REPO
-from tools.compare_optimizers import PEERS, Cell, driver_command, lr_grid, main, parse_args, plan, read_back, read_log
+from tools.compare_optimizers import (
+    PEERS,
+    Cell,
+    driver_command,
+    lr_grid,
+    main,
+    parse_args,
+    plan,
+    read_back,
+    read_log,
+    remove_logs,
+)
 from tools.study_report import iterations_to_reach, summarize, tables
 
 TOOL = [sys.executable, str(REPO / "tools" / "compare_optimizers.py")]
@@ -183,3 +194,22 @@ def test_plan_grid_and_port(tmp_path):
     assert "--standalone" in driver_command(Cell("muon", 0.01, 1), "tiny_gqa", nproc=2)
     low = driver_command(Cell("adamw", 0.0005, 7), "tiny_gqa")  # below the recipe's min-lr (0.001): lowered
     assert low[low.index("--min-lr") + 1] == "0.0005" and low[low.index("--seed") + 1] == "7"
+
+
+def test_removing_logs_keeps_what_the_study_did_not_write(tmp_path):
+    """Without --keep-runs the study removes its runs' logs, never the rest of OUT/runs/ (a
+    user's --out may hold a runs/ folder of their own)."""
+    cells = plan(["adamw", "muon"], {"adamw": [0.001], "muon": [0.01]}, [1])
+    for cell in cells:
+        log = tmp_path / "runs" / f"{cell.name}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("a run's output")
+    (tmp_path / "runs" / "muon" / "notes.txt").write_text("a user's notes")
+    (tmp_path / "runs" / "theirs.log").write_text("another job's log")
+    remove_logs(tmp_path, cells)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    assert left == ["runs", "runs/muon", "runs/muon/notes.txt", "runs/theirs.log"], left
+    (tmp_path / "runs" / "muon" / "notes.txt").unlink()
+    (tmp_path / "runs" / "theirs.log").unlink()
+    remove_logs(tmp_path, cells)  # nothing of the study's left: its folders go
+    assert not (tmp_path / "runs").exists()
