@@ -169,10 +169,14 @@ def shown(cmd: Sequence[str]) -> str:
 
 
 def run_driver(cmd: Sequence[str], log: Path) -> str:
-    """Run one training; its output goes to ``log`` and is returned."""
+    """Run one training, which ends with this process (killed, the study leaves no run
+    behind: torchrun's ranks end with torchrun); its output goes to ``log`` and is returned."""
+    from megatron_muon.megatron_lm.process_lifetime import die_with_this_process
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.run(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          preexec_fn=die_with_this_process())  # fmt: skip
     log.write_text(proc.stdout)
     if proc.returncode != 0:
         raise RuntimeError(f"{shown(cmd)} exited {proc.returncode}; last output:\n{proc.stdout[-3000:]}")

@@ -9,6 +9,7 @@ of Megatron-LM's log lines, every peer's flags through Megatron-LM's validation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ import time
 import pytest
 
 from tests.helpers import REPO
+from tests.helpers.jobs import tagged_processes
 from tools.compare_optimizers import (
     PEERS,
     Cell,
@@ -47,7 +49,8 @@ def _study(out, cache, *more):
 @pytest.mark.timeout(300)
 def test_tiny_study_resumes_after_an_interruption(tmp_path):
     out, cache = tmp_path / "study", tmp_path / "cache"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    tag = f"study-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MEGATRON_MUON_TEST_TAG=tag)
     cmd = _study(out, cache, "--keep-runs")
     first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)  # fmt: skip
@@ -55,9 +58,15 @@ def test_tiny_study_resumes_after_an_interruption(tmp_path):
         deadline = time.monotonic() + 200
         while len(list(out.glob("cells/*/*.json"))) < 2 and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the tool and the run it is in
+        first.kill()  # the tool alone, in the middle of its third run: that run ends with it
         first.wait()
+        deadline = time.monotonic() + 10
+        while tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not tagged_processes(tag), "a run of the killed study is still running"
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left, if the assertion failed
+            os.killpg(first.pid, signal.SIGKILL)
     finished = {p: p.read_bytes() for p in out.glob("cells/*/*.json")}
     assert len(finished) == 2, sorted(finished)
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
