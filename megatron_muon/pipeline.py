@@ -133,7 +133,8 @@ def chunk_update(
         if work is not None:
             work.wait()
     with record_function("muon/update"):
-        recv = recv.float()
+        # The update stays in the wire dtype: the in-place ops promote it to fp32 (exactly)
+        # as they read it, which saves a full-size fp32 copy.
         for p, s, e, offset in msg.scatter_apply:
             lr, wd = lr_wd[p]
             decay_and_update_(step.masters[p][s:e], recv[offset : offset + e - s], lr, wd, step.cautious)
@@ -152,8 +153,12 @@ def decay_and_update_(master: torch.Tensor, update: torch.Tensor, lr: float, wd:
 
 
 def pack(pieces: Sequence[torch.Tensor], dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
-    """The pieces, flat and concatenated, in the wire dtype."""
-    return torch.cat(pieces).to(dtype) if pieces else torch.empty(0, dtype=dtype, device=device)
+    """The pieces, flat and concatenated, in the wire dtype (converted as they are copied:
+    one pass, not a concatenation and then a cast)."""
+    if not pieces:
+        return torch.empty(0, dtype=dtype, device=device)
+    out = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device)
+    return torch.cat([p.reshape(-1) for p in pieces], out=out)
 
 
 def exchange(
@@ -171,8 +176,7 @@ def exchange(
 def assemble(msg: ChunkMessages, recv: torch.Tensor) -> List[List[torch.Tensor]]:
     """Per owned job, its matrices (fp32, one per column group) from the received pieces:
     each TP rank's piece from its DP segments, then the TP pieces joined along the
-    partition dim."""
-    recv = recv.float()
+    partition dim. The pieces are cast to fp32 as they are placed."""
     pieces: List[Dict[int, torch.Tensor]] = []
     for job in msg.owned:
         tps = sorted({s.tp for s in job.sources})
@@ -243,8 +247,11 @@ def finish_update(step: MuonStep, members: Sequence[Tuple[Job, int]], ortho: tor
     ``ortho[i]``, storage orientation): variance reduction if on, times each job's scale."""
     if step.variance_reduction is not None:
         ortho = variance_reduce(step.owner_states, members, ortho, step.variance_reduction)
-    scales = torch.tensor([step.scales[job.index] for job, _ in members], dtype=ortho.dtype, device=ortho.device)
-    update = ortho * scales.view(-1, 1, 1)
+    scales = [step.scales[job.index] for job, _ in members]
+    if len(set(scales)) == 1:  # a Python scale: no host-to-device copy, which would sync
+        update = ortho * scales[0]
+    else:
+        update = ortho * torch.tensor(scales, dtype=ortho.dtype, device=ortho.device).view(-1, 1, 1)
     if step.measure_updates:
         square_sum = torch.linalg.vector_norm(update, dtype=torch.float32).square()
         step.update_square_sum = square_sum if step.update_square_sum is None else step.update_square_sum + square_sum
