@@ -128,9 +128,9 @@ def driver_command(
     cmd = [TORCHRUN, *rendezvous, "--nproc-per-node", str(nproc)] if nproc > 1 else [sys.executable]
     cmd += [str(DRIVER), "--recipe", recipe, *PEERS[cell.peer].flags, "--log-interval", "1"]
     if not any(t.startswith("--min-lr") for t in extra):
-        min_lr = _recipe_value(recipe, "min-lr")
-        if min_lr is not None and min_lr > cell.lr:
-            cmd += ["--min-lr", f"{cell.lr:g}"]  # the scheduler needs lr >= min-lr
+        min_lr = decayed_to(cell.lr, _recipe_value(recipe, "lr"), _recipe_value(recipe, "min-lr"))
+        if min_lr is not None:
+            cmd += ["--min-lr", f"{min_lr:g}"]
     cmd += ["--lr", f"{cell.lr:g}", "--seed", str(cell.seed)]
     for flag, value in (
         ("--train-iters", train_iters),
@@ -141,6 +141,18 @@ def driver_command(
         if value is not None:
             cmd += [flag, str(value)]
     return cmd + list(extra)
+
+
+def decayed_to(lr: float, recipe_lr: Optional[float], recipe_min_lr: Optional[float]) -> Optional[float]:
+    """The ``--min-lr`` of a cell at ``lr``, None where the recipe's own applies: every
+    learning rate decays to the fraction of itself the recipe's does (its min-lr / lr), so
+    the peers' schedules have one shape whatever their peak. (A fixed min-lr would hold a low
+    learning rate nearly constant while a high one decays tenfold, which favours the high
+    ones.) Without a recipe lr, only a min-lr above ``lr`` is lowered to it."""
+    if recipe_min_lr is None:
+        return None
+    wanted = lr * recipe_min_lr / recipe_lr if recipe_lr else min(lr, recipe_min_lr)
+    return None if f"{wanted:g}" == f"{recipe_min_lr:g}" else wanted
 
 
 @functools.lru_cache(maxsize=None)

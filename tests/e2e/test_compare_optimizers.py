@@ -25,6 +25,7 @@ from tests.helpers.jobs import tagged_processes
 from tools.compare_optimizers import (
     PEERS,
     Cell,
+    decayed_to,
     driver_command,
     lr_grid,
     main,
@@ -201,8 +202,12 @@ def test_plan_grid_and_port(tmp_path):
     cmd = driver_command(Cell("muon", 0.01, 1), "tiny_gqa", nproc=args.nproc, master_port=args.master_port)
     assert "--standalone" not in cmd and cmd[cmd.index("--master-port") + 1] == "29871"
     assert "--standalone" in driver_command(Cell("muon", 0.01, 1), "tiny_gqa", nproc=2)
-    low = driver_command(Cell("adamw", 0.0005, 7), "tiny_gqa")  # below the recipe's min-lr (0.001): lowered
-    assert low[low.index("--min-lr") + 1] == "0.0005" and low[low.index("--seed") + 1] == "7"
+    # Each lr decays to a tenth of itself, as the recipe's (lr 0.01, min-lr 0.001) does.
+    low = driver_command(Cell("adamw", 0.0005, 7), "tiny_gqa")
+    assert low[low.index("--min-lr") + 1] == "5e-05" and low[low.index("--seed") + 1] == "7"
+    assert "--min-lr" not in driver_command(Cell("muon", 0.01, 1), "tiny_gqa")  # the recipe's own
+    assert decayed_to(0.02, 0.01, 0.001) == pytest.approx(0.002) and decayed_to(0.02, None, 0.001) is None
+    assert decayed_to(0.0005, None, 0.001) == 0.0005 and decayed_to(0.02, 0.01, None) is None
 
 
 def test_removing_logs_keeps_what_the_study_did_not_write(tmp_path):
