@@ -103,6 +103,11 @@ def test_scale_model_bytes_match_the_counted_bytes(out, measured):
     # Duplicated runs every TP-sharded matrix whole on each TP rank: more FLOPs than blockwise.
     assert rows["megatron_duplicated"]["ns_flops_total"] > 1.5 * rows["megatron_blockwise"]["ns_flops_total"]
     assert data["validation"]["ok"] and (out / "scale_model.md").exists()
+    # Without a pipeline the whole step is exposed with "none"; "forward" hides no more than it.
+    exposed = data["predictions"]["llama3_8b"]["exposed"]
+    assert exposed["none_ms"] == pytest.approx(rows["ours_exact"]["step_ms"])
+    assert 0 <= exposed["forward_concurrent_ms"] <= exposed["forward_ms"] <= exposed["none_ms"]
+    assert "Exposed step" in (out / "scale_model.md").read_text()
 
 
 @pytest.mark.timeout(200)

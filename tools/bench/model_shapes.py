@@ -35,6 +35,7 @@ class ModelShape:
     seq_length: int
     global_batch: int
     active_params: int
+    micro_batch: int = 1
     swiglu: bool = True
     untie: bool = True
     qk_layernorm: bool = False
@@ -129,6 +130,7 @@ def from_recipe(recipe: str, gpus: int, tp: int, pp: int, ep: int, etp: Optional
         seq_length=args.seq_length,
         global_batch=args.global_batch_size,
         active_params=sizing.count_parameters(args, vocab).active,
+        micro_batch=args.micro_batch_size,
         swiglu=args.swiglu,
         untie=args.untie_embeddings_and_output_weights,
         qk_layernorm=args.qk_layernorm,

@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Tuple
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import common
+from tools.bench import common, exposed_step
 from tools.bench import model_shapes as S
 
 SCHEMES = (
@@ -490,8 +490,11 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
     hbm = c.hbm_gbps * 1e9 * 0.8
     train_step_s = m.model_flops / (c.gpus * c.peak_tflops * 1e12 * c.mfu)
     rows = {}
+    # Per stage, the slowest rank's step and the part only its own kernels do (exposed_step).
+    per_stage: Dict[str, List[Dict[str, float]]] = {}
     for scheme in SCHEMES:
         times, flops, intra, inter, ddp, buffers = [], [], [], [], [], []
+        per_stage[scheme] = [dict(step_ms=0.0, own_ms=0.0) for _ in stages]
         # (max-rank NS FLOPs, max/mean, stage) of the busiest stage: the one whose busiest
         # rank has the most NS FLOPs, which differs between schemes (blockwise: the first
         # stages' unsplit dense fc1; ours, exact: an MoE stage).
@@ -508,11 +511,15 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
                 )
                 sync = st.sync_intra[scheme][i] / intra_bw + st.sync_inter[scheme][i] / inter_bw
                 comm = a / intra_bw + b / inter_bw - sync
+                own = elem + f / flop_rate + sync
                 if scheme.startswith("ours"):
                     # Multi-rank NS collectives run inside the compute stage, blocking.
                     t = elem + _pipelined(comm / 2, f / flop_rate + sync, comm / 2, st.chunks.get(scheme, 1))
                 else:
                     t = elem + f / flop_rate + comm
+                slowest = per_stage[scheme][s]
+                slowest["step_ms"] = max(slowest["step_ms"], t * 1e3)
+                slowest["own_ms"] = max(slowest["own_ms"], own * 1e3)
                 times.append(t)
                 flops.append(f)
                 intra.append(a)
@@ -536,6 +543,7 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
         )
     for row in rows.values():
         row["ratio"] = row["step_ms"] / rows["adamw"]["step_ms"]
+    microbatches = max(m.global_batch // (c.dp * m.micro_batch), 1)
     return dict(
         model=m.name,
         active_params=m.active_params,
@@ -545,6 +553,10 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
         cluster=asdict(c),
         layout=c.describe(),
         schemes=rows,
+        exposed=dict(
+            exposed_step.exposure(per_stage["ours_exact"], train_step_s * 1e3, microbatches, c.mfu, c.ns_efficiency),
+            stages=per_stage["ours_exact"],
+        ),
     )
 
 
@@ -660,6 +672,17 @@ def markdown(data: Dict[str, Any]) -> str:
                 rows,
             )
         )
+        parts.append("")
+    if all("exposed" in p for p in data["predictions"].values()):
+        parts.append(
+            "**Exposed step** (ours, exact): how long an iteration waits for the optimizer step with "
+            "`muon_step_overlap` `none` (the step whole between the backward and the next forward) and "
+            "`forward` (each layer's update finished as the next forward reaches it); the model is "
+            "`tools/bench/exposed_step.py`'s (Megatron's 1F1B schedule; communication hides behind a stage's "
+            "first forward; Newton–Schulz either nowhere or in the share of that forward the GPU's matrix "
+            "units idle, 1 - MFU / NS efficiency).\n"
+        )
+        parts.append(exposed_step.markdown(data["predictions"]))
         parts.append("")
     v = data.get("validation")
     if v:
