@@ -339,11 +339,12 @@ CONVERT = [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py")]
 @pytest.mark.timeout(600)
 def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer(cache, tmp_path):
     """A Muon run on Megatron-FSDP (DP2) saves fsdp_dtensor checkpoints (DCP, with our
-    manifest). Iteration 3 resumes bit for bit at DP2, and at TP2 x DP1 to reduction-order
-    noise (DCP reshards the DTensors, the GLU halves split for it); a corrupted copy is refused
-    before any read. Unconverted, a DistributedOptimizer run refuses it in one line naming the
-    command; to-torch-dist resumes there (1e-4: DDP and Megatron-FSDP reduce in different
-    orders) and to-fsdp-dtensor brings it back bit for bit. (muon-to-adam on Megatron-FSDP:
+    manifest). Iteration 3 resumes at TP2 x DP1 to reduction-order noise (DCP reshards the
+    DTensors, the GLU halves split for it); a corrupted copy is refused before any read.
+    Unconverted, a DistributedOptimizer run refuses it in one line naming the command;
+    to-torch-dist resumes there (1e-4: DDP and Megatron-FSDP reduce in different orders) and
+    to-fsdp-dtensor brings it back, where it resumes at DP2 bit for bit (which a plain resume
+    would show again). (muon-to-adam on Megatron-FSDP:
     test_megatron_fsdp_adamw_checkpoint_resumes_and_switches_to_muon_and_back.)"""
     ckpt, ddp, back = (tmp_path / name for name in ("ckpt", "ddp", "back"))
     args = FSDP_CHECKPOINTS + ["--data-cache-path", str(cache)]
@@ -353,10 +354,6 @@ def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer
     assert sorted(want) == list(range(1, 7)) and want[6] < want[1] - 1.0
 
     resume = args + ["--load", str(ckpt), "--ckpt-step", "3"]
-    same = run(TWO_RANKS + resume, timeout=300)
-    assert sorted(losses(same)) == [4, 5, 6], same[-2000:]
-    assert all(losses(same)[i] == want[i] for i in (4, 6)), (losses(same), want)
-    assert validation(same)[6] == validation(full)[6]
     tp2 = run(TWO_RANKS + resume + ["--tensor-model-parallel-size", "2"], timeout=300)
     assert "tensor-model-parallel size: 2" in tp2
     assert losses(tp2)[4] == pytest.approx(want[4], rel=1e-4) and losses(tp2)[6] == pytest.approx(want[6], rel=1e-4)
@@ -383,7 +380,9 @@ def test_megatron_fsdp_checkpoint_resumes_and_moves_to_the_distributed_optimizer
     assert sorted(on_ddp) == [4, 5, 6], on_ddp
     assert on_ddp[4] == pytest.approx(want[4], rel=1e-4) and on_ddp[6] == pytest.approx(want[6], rel=1e-4)
     run(CONVERT + ["to-fsdp-dtensor", str(ddp), str(back)])
+    # Both conversions exact and the resume exact: the uninterrupted run's losses, bit for bit.
     on_fsdp = run(TWO_RANKS + args + ["--load", str(back)], timeout=300)
+    assert sorted(losses(on_fsdp)) == [4, 5, 6], on_fsdp[-2000:]
     assert all(losses(on_fsdp)[i] == want[i] for i in (4, 6)), (losses(on_fsdp), want)
     assert validation(on_fsdp)[6] == validation(full)[6]
 
