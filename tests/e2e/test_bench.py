@@ -128,6 +128,16 @@ def test_scale_model_splits_only_where_it_shortens_the_step():
             assert split < 0.95 * unsplit["schemes"]["ours_exact"]["step_ms"]
 
 
+def test_stream_concurrency_runs_its_plumbing_on_the_cpu():
+    """stream_concurrency.py on the CPU (no streams: serially, a small model): both the
+    whole model's and one layer's Newton-Schulz are timed against the forward."""
+    from tools.bench import stream_concurrency
+
+    rows = stream_concurrency.main(["--reps", "1"])
+    assert [r["ns_layers"] for r in rows] == [2, 1] and all(r["device"] == "cpu" for r in rows)
+    assert all(_positive(r[k]) for r in rows for k in ("forward_ms", "ns_ms", "both_ms"))
+
+
 @pytest.mark.timeout(120)
 def test_newton_schulz_quick(out):
     # One timed call each: a smoke test (fp16 GEMMs, inside Gram NS, are slow on some CPUs).
