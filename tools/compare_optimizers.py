@@ -7,7 +7,8 @@ Each cell (peer, learning rate, seed) is one run of ``tools/pretrain_gpt.py``
 ``--lr``, ``--seed`` and the flags after ``--`` (the layout: ``-- --tensor-model-parallel-size
 2 --bf16``); the tool reads Megatron-LM's own log lines (``iteration N/ M | ... | lm loss:``
 and ``validation loss at iteration N | lm loss value:``). ``--seed`` sets the model's
-initialization and the data order, so every peer sees the same tokens at a seed. What the
+initialization and the data order, so every peer sees the same tokens at a seed; every
+learning rate decays to the recipe's fraction of itself (:func:`decayed_to`). What the
 runs say (``tools/study_report.py``): per peer its best learning rate (lowest mean final
 validation loss over the seeds), that loss's mean and spread, and the tokens it needs to
 reach a target (default: the reference peer's, AdamW's, best) under the pass rule. Writes
