@@ -24,11 +24,8 @@ into ``--out``:
 * ``runs/``: the runs' logs, removed at the end unless ``--keep-runs`` (only the logs the
   study names, and the folders they leave empty: anything else there stays).
 
-The picture in docs/images/compare_tiny_gqa::
-
-    python tools/compare_optimizers.py --recipe tiny_gqa --out docs/images/compare_tiny_gqa \\
-        --peers adamw muon --lr adamw=0.001,0.002,0.004 --lr muon=0.005,0.01,0.02 \\
-        --train-iters 300 --eval-interval 25 --eval-iters 8
+The studies in docs/study.md (docs/images/compare_tiny_gqa, study_tp2_gqa256, ...) each
+record the command that made them, in their ``study.md``.
 """
 
 from __future__ import annotations
