@@ -145,8 +145,9 @@ def decayed_to(lr: float, recipe_lr: Optional[float], recipe_min_lr: Optional[fl
     """The ``--min-lr`` of a cell at ``lr``, None where the recipe's own applies: every
     learning rate decays to the fraction of itself the recipe's does (its min-lr / lr), so
     the peers' schedules have one shape whatever their peak. (A fixed min-lr would hold a low
-    learning rate nearly constant while a high one decays tenfold, which favours the high
-    ones.) Without a recipe lr, only a min-lr above ``lr`` is lowered to it."""
+    learning rate nearly constant while a high one decays tenfold: the peers would be
+    compared on differently shaped schedules.) Without a recipe lr, only a min-lr above
+    ``lr`` is lowered to it."""
     if recipe_min_lr is None:
         return None
     wanted = lr * recipe_min_lr / recipe_lr if recipe_lr else min(lr, recipe_min_lr)

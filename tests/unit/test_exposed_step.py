@@ -3,7 +3,7 @@ pipeline, against numbers worked out by hand."""
 
 import pytest
 
-from tools.bench.exposed_step import exposed_ms, exposure, forward_ms, ready_ms
+from tools.bench.exposed_step import exposed_ms, exposure, microbatch_forward_ms, ready_ms
 
 
 def test_two_stages_by_hand():
@@ -32,7 +32,7 @@ def test_forward_time_and_idle_share():
     """A train step of 3 f (m + P - 1): 16 micro-batches, PP1, 480 ms -> f = 10 ms; at MFU 0.4
     against Newton-Schulz's 0.5 of the peak a fifth of the forward leaves the GPU's matrix
     units idle."""
-    assert forward_ms(480.0, 16, 1) == 10.0 and forward_ms(570.0, 16, 4) == 10.0
+    assert microbatch_forward_ms(480.0, 16, 1) == 10.0 and microbatch_forward_ms(570.0, 16, 4) == 10.0
     e = exposure([dict(step_ms=5.0, own_ms=4.0)], 480.0, 16, mfu=0.4, ns_efficiency=0.5)
     assert e["idle_share"] == pytest.approx(0.2) and e["none_ms"] == 5.0 and e["forward_ms"] == 4.0
     assert e["forward_concurrent_ms"] == pytest.approx(2.0) and e["none_share_of_train"] == pytest.approx(5.0 / 480)

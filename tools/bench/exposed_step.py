@@ -33,10 +33,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
+from tools.bench import common
+
 MODES = ("none", "forward")
 
 
-def forward_ms(train_step_ms: float, microbatches: int, pp: int) -> float:
+def microbatch_forward_ms(train_step_ms: float, microbatches: int, pp: int) -> float:
     """One micro-batch's forward on one stage: the train step is ``3 f (m + P - 1)``
     (forward ``f``, backward ``2 f``, the 1F1B schedule's ``P - 1`` bubble slots)."""
     return train_step_ms / (3.0 * (microbatches + pp - 1))
@@ -68,7 +70,7 @@ def exposure(
     """The exposed milliseconds with ``"none"`` (``none_ms``) and with ``"forward"`` at both
     bounds (``forward_ms``: Newton–Schulz hides nowhere; ``forward_concurrent_ms``: it fills
     the forward's idle share), each also as a share of the train step; ``f``."""
-    f = forward_ms(train_step_ms, microbatches, len(stages))
+    f = microbatch_forward_ms(train_step_ms, microbatches, len(stages))
     idle = max(1.0 - mfu / ns_efficiency, 0.0)
     out: Dict[str, float] = dict(microbatches=microbatches, microbatch_forward_ms=f, idle_share=idle)
     for key, mode, share in (
@@ -84,8 +86,6 @@ def exposure(
 
 def markdown(predictions: Dict[str, Dict]) -> str:
     """The table of every scenario's exposed step (ours, exact) with ``"none"`` and ``"forward"``."""
-    from tools.bench import common
-
     rows = []
     for name, p in predictions.items():
         e = p["exposed"]
