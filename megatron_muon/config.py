@@ -27,6 +27,7 @@ QKV_GRANULARITIES = ("part", "group", "head")
 MLA_GRANULARITIES = ("part", "head")
 SCALAR_OPTIMIZERS = ("adam",)
 ROUTER_OPTIMIZERS = ("adam", "muon")
+STEP_OVERLAPS = ("auto", "none", "forward")
 
 
 @dataclass
@@ -153,6 +154,15 @@ class MuonConfig(OptimizerConfig):
     """Run the expert-parallel parameters' step (stacked per-expert Newton–Schulz) while the
     dense pipeline's first gather is in flight."""
 
+    muon_step_overlap: str = "auto"
+    """Where the Muon step runs. 'none': whole, inside ``optimizer.step()``. 'forward':
+    ``step()`` does what needs every rank at once (non-finite check, grad norm and clipping,
+    AdamW, the momentum, QK-Clip's max logits) and each chunk of Newton–Schulz work finishes
+    when the next forward starts the parameter all-gather of a bucket group holding its
+    matrices (needs DDP's ``overlap_param_gather``; not with Megatron-FSDP or
+    ``muon_cpu_offload``). 'auto': 'forward' when DDP overlaps the parameter all-gather,
+    'none' otherwise. Both run the same arithmetic: the same bits."""
+
     # --- which parameters are Muon matrices -------------------------------------------------
     muon_split_qkv: bool = True
     """Orthogonalize a fused ``linear_qkv`` as separate Q, K and V matrices (Megatron's name)."""
@@ -231,6 +241,7 @@ def config_problems(cfg: MuonConfig):
         ("muon_mla_granularity", cfg.muon_mla_granularity, MLA_GRANULARITIES),
         ("muon_scalar_optimizer", cfg.muon_scalar_optimizer, SCALAR_OPTIMIZERS),
         ("muon_router_optimizer", cfg.muon_router_optimizer, ROUTER_OPTIMIZERS),
+        ("muon_step_overlap", cfg.muon_step_overlap, STEP_OVERLAPS),
     ]
     choices.append(("muon_coefficient_type", cfg.muon_coefficient_type, tuple(COEFFICIENT_SETS)))
     for name, value, allowed in choices:
@@ -304,6 +315,11 @@ def config_problems(cfg: MuonConfig):
             f"optimizer_offload_fraction={cfg.optimizer_offload_fraction!r} is not supported with "
             "optimizer_cpu_offload: megatron_muon offloads the masters of every Muon matrix, not a "
             "fraction; set 1.0 (--optimizer-offload-fraction 1.0)."
+        )
+    if cfg.muon_step_overlap == "forward" and cfg.muon_cpu_offload:
+        yield (
+            "muon_step_overlap='forward' cannot run with muon_cpu_offload=True: the pending chunks would hold "
+            "their offloaded momentum on the device through the forward; set muon_step_overlap='none' (or 'auto')."
         )
     if cfg.muon_param_filter is not None and not callable(cfg.muon_param_filter):
         yield f"muon_param_filter={cfg.muon_param_filter!r} is not callable; use a function (name, param) -> bool."

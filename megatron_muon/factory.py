@@ -23,6 +23,7 @@ from .matrices import collect_muon_params
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
 from .process_groups import parallel_groups
 from .qk_clip import QKClip
+from .step_overlap import step_overlap_mode
 from .storage import StorageBackend, storage_for
 
 
@@ -105,6 +106,7 @@ def get_muon_optimizer(
     if not isinstance(config, MuonConfig):
         raise TypeError("get_muon_optimizer expects a megatron_muon.MuonConfig (it extends OptimizerConfig).")
     storage = _check_model_chunks(model_chunks, config)
+    step_overlap = step_overlap_mode(config, model_chunks, storage)
     engine_dp_groups = storage.prepare(model_chunks)
     if config_overrides is None:
         config_overrides = get_standard_config_overrides(config)
@@ -160,4 +162,4 @@ def get_muon_optimizer(
         opt.tp_group = parallel.tp
         opt.expert_tp_group = parallel.expt_tp
         optimizers.append(opt)
-    return MuonChainedOptimizer(optimizers)
+    return MuonChainedOptimizer(optimizers, step_overlap)

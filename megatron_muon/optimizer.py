@@ -19,6 +19,10 @@ The update itself is :meth:`MuonChainedOptimizer.step_with_ready_grads`:
 3. QK-Clip on the fp32 masters;
 4. the backend's master -> model copy and parameter sync.
 
+With ``muon_step_overlap='forward'`` the chunks' exchanges, QK-Clip's scaling and the copy
+wait in a :class:`~megatron_muon.step_overlap.PendingStep` until the next forward's
+parameter sync needs them (``step_overlap.py``).
+
 Before it, ``prepare_grads`` checks for inf/NaN in every precision (``non_finite.py``): a
 step with a non-finite gradient is skipped on every rank, and too many in a row raise.
 """
@@ -39,11 +43,12 @@ from .config import MuonConfig, update_scale
 from .matrices import MuonParam, unwrap
 from .newton_schulz import resolve_coefficients
 from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
-from .pipeline import MuonStep, chunk_update, drive
+from .pipeline import MuonStep, advance_momentum, chunk_exchange, chunk_update, drive
 from .planner import Plan, plan_for_config, plan_statistics, rank_messages
 from .process_groups import build_ortho_group, subgroup
 from .qk_clip import QKClip
 from .state import OffloadedMasters, OwnerStates, ShardStates, init_adam_states, muon_states
+from .step_overlap import PendingStep
 from .storage import StorageBackend, storage_for
 from .timers import megatron_timer
 
@@ -260,17 +265,21 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
 
     # ------------------------------------------------------------------ the update
-    def muon_chunks(self, measure_updates: bool = False) -> List[Iterator[None]]:
+    def muon_chunks(self, measure_updates: bool = False, momentum_now: bool = False) -> List[Iterator[None]]:
         """This step's Muon chunks, each a generator for ``pipeline.drive`` (the state of
         the step is started here; :meth:`end_muon_step` ends it); ``measure_updates``: sum
-        the squares of the updates (the update RMS)."""
+        the squares of the updates (the update RMS); ``momentum_now``: advance every
+        chunk's momentum here, so that the generators need no gradient (a pending step)."""
         lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
         per_param = [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
         self.muon.shard_states.begin()
         self.muon.measure_updates = measure_updates
         self.muon.update_square_sum, self.muon.update_numel = None, 0
         kept: dict = {}
-        return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
+        if not momentum_now:
+            return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
+        inputs = [advance_momentum(self.muon, msg, kept) for msg in self.muon.messages]
+        return [chunk_exchange(self.muon, msg, x, per_param, kept) for msg, x in zip(self.muon.messages, inputs)]
 
     def end_muon_step(self) -> None:
         self.muon.shard_states.finish()
@@ -311,26 +320,44 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             self.grad_scaler.load_state_dict(common["grad_scaler"])
 
 
-def update(optimizers: Sequence[MuonDistributedOptimizer], overlap_expert: bool, measure_updates: bool = False) -> None:
+def update(
+    optimizers: Sequence[MuonDistributedOptimizer],
+    overlap_expert: bool,
+    measure_updates: bool = False,
+    pending: Optional[PendingStep] = None,
+) -> None:
     """The update of chained Muon optimizers (dense first), in the order the data flows:
     every Muon chunk (the expert chunks while the first dense gathers travel, with
-    ``overlap_expert``), AdamW, QK-Clip, the master -> model copy, the parameter sync."""
+    ``overlap_expert``), AdamW, QK-Clip, the master -> model copy, the parameter sync.
+
+    With ``pending`` (``muon_step_overlap='forward'``): the momentum of every chunk, AdamW
+    and QK-Clip's row factors; the chunks' exchanges, the scaling and the copy are left to
+    ``pending``, which the next forward's parameter sync drives."""
     config = optimizers[0].config
     with megatron_timer(config, "optimizer-inner-step"):
-        chunks = [opt.muon_chunks(measure_updates) for opt in optimizers]
-        if overlap_expert and len(chunks) > 1:
-            drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
-        else:
-            for chunk_list in chunks:
-                drive(chunk_list, config.muon_max_inflight_chunks)
+        chunks = [opt.muon_chunks(measure_updates, momentum_now=pending is not None) for opt in optimizers]
+        if pending is None:
+            if overlap_expert and len(chunks) > 1:
+                drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
+            else:
+                for chunk_list in chunks:
+                    drive(chunk_list, config.muon_max_inflight_chunks)
         for opt in optimizers:
-            opt.end_muon_step()
+            if pending is None:
+                opt.end_muon_step()
             with record_function("muon/adamw"):
                 opt.optimizer.step()  # AdamW on the scalar parameters
+        clips = []
         for opt in optimizers:
             if opt.qk_clip is not None:
                 with record_function("muon/qk_clip"):
-                    opt.qk_clip.apply(opt.shard_map)
+                    if pending is None:
+                        opt.qk_clip.apply(opt.shard_map)
+                    else:
+                        clips += opt.qk_clip.clip_factors()
+    if pending is not None:
+        pending.begin(chunks, clips)
+        return
     with megatron_timer(config, "optimizer-copy-main-to-model-params"), record_function("muon/copy_to_model"):
         for opt in optimizers:
             opt.storage.copy_masters_to_model()
@@ -342,10 +369,14 @@ class MuonChainedOptimizer(ChainedOptimizer):
     """Megatron's ChainedOptimizer over our dense and expert optimizers.
 
     ``step()`` is Megatron's: :meth:`prepare_grads` (ours), the grad norm over both
-    optimizers, clipping and zero counting, then :meth:`step_with_ready_grads`."""
+    optimizers, clipping and zero counting, then :meth:`step_with_ready_grads`. With
+    ``muon_step_overlap='forward'`` part of the update is left in :attr:`pending` for the
+    next forward; :meth:`finish_pending_step` runs it at once."""
 
-    def __init__(self, chained_optimizers) -> None:
+    def __init__(self, chained_optimizers, step_overlap: str = "none") -> None:
         super().__init__(chained_optimizers)
+        self.pending: Optional[PendingStep] = PendingStep(self.muon_optimizers) if step_overlap == "forward" else None
+        """With ``muon_step_overlap='forward'``: what the last step left for the next forward."""
         self.num_steps = 0
         """Successful optimizer steps taken (saved in checkpoints)."""
         self.skips = SkipCounter(self.config.muon_max_consecutive_skipped_steps)
@@ -402,6 +433,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
         non-finite step in a row raises :class:`~megatron_muon.non_finite.NonFiniteGradientError`
         on every rank."""
         start = time.perf_counter()
+        self.finish_pending_step()  # a unit the last forward never synced
         try:
             result = super().step()
         finally:
@@ -422,10 +454,24 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """The update of both optimizers (:func:`update`); then, as Megatron's chain does
         with ``overlap_param_gather_with_optimizer_step``, the first model chunk's
         all-gather is dispatched to overlap the rest of the iteration."""
-        update(self.muon_optimizers, self.config.muon_overlap_expert_ns, self.measure_updates)
+        update(self.muon_optimizers, self.config.muon_overlap_expert_ns, self.measure_updates, self.pending)
         if self.config.overlap_param_gather_with_optimizer_step:
             self.dense.model_chunks[0].start_param_sync(force_dispatch=True)
         return True
+
+    @torch.no_grad()
+    def finish_pending_step(self) -> None:
+        """Run what ``muon_step_overlap='forward'`` left of the last step for the next
+        forward (nothing otherwise): collective over the orthogonalization groups. Anything
+        that reads the parameters or the optimizer state before that forward calls it."""
+        if self.pending is not None and self.pending.active:
+            self.pending.finish_all()
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """Megatron-LM calls this before a forced parameter sync (evaluation, checkpoints,
+        the end of training): the pending step first."""
+        self.finish_pending_step()
+        super().prepare_model_params_for_param_sync()
 
     def _non_finite_error(self) -> NonFiniteGradientError:
         """Collective over the grad-statistics group: every rank gets the same message."""
@@ -453,6 +499,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     def load_state_dict(self, state_dict):
         """Load what the checkpoint returned for :meth:`sharded_state_dict`."""
+        self.finish_pending_step()  # or it would land on the loaded state
         self.dense.storage.load_state_dict(self, state_dict)
 
     def plan_statistics(self) -> List[Dict[str, object]]:
@@ -464,13 +511,14 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
         ``update-rms``: RMS of all Muon updates (orthogonalized and scaled, before the
         learning rate; each matrix counted once, by its owner), when the step was taken
-        with :attr:`measure_updates`. ``skipped-steps``: steps
+        with :attr:`measure_updates` (a pending step is finished for it). ``skipped-steps``: steps
         skipped for non-finite gradients so far. ``optimizer-step-ms``: this rank's
-        ``step()``. With QK-Clip or ``log_max_attention_logit``: ``max-attention-logit``
+        ``step()`` (with a pending step, only the part it ran). With QK-Clip or ``log_max_attention_logit``: ``max-attention-logit``
         and ``mean-attention-logit`` (the mean over layers of each layer's largest logit) and
         ``qk-clip-heads-clipped``."""
         out = {"skipped-steps": float(self.skips.skipped_steps), "optimizer-step-ms": self.step_seconds * 1e3}
         if self.dense.muon.measure_updates:
+            self.finish_pending_step()
             device = self.dense.muon.device or torch.device("cpu")
             sums = torch.zeros(2, dtype=torch.float64, device=device)
             for opt in self.muon_optimizers:

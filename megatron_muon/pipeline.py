@@ -16,6 +16,10 @@ maths happens, on every rank of the orthogonalization group:
 5. **decay and update** of each arriving piece's fp32 master range:
    ``w -= lr * wd * w`` (cautious: only where ``update * w >= 0``), ``w -= lr * update``.
 
+Stage 1 is :func:`advance_momentum`, stages 2-5 :func:`chunk_exchange`: a step left
+pending for the next forward (``step_overlap.py``) runs the first for every chunk inside
+``optimizer.step()`` and the second later, with the same arithmetic.
+
 :func:`drive` interleaves the chunks: it launches the gathers of up to ``max_inflight``
 chunks ahead of the one it completes, so one chunk's communication travels while another
 computes, and runs other chunks (the expert optimizer's) while the first gathers are in
@@ -92,7 +96,14 @@ def chunk_update(
     """One chunk's Muon update (module docstring). ``lr_wd[p]``: this step's learning rate
     and weight decay of Muon param ``p``; ``kept``: orthogonalization inputs of ranges a
     later chunk sends again (shared by the chunks of one step)."""
-    # 1. Momentum of the ranges this chunk advances; the Nesterov input.
+    inputs = advance_momentum(step, msg, kept)
+    yield from chunk_exchange(step, msg, inputs, lr_wd, kept)
+
+
+def advance_momentum(step: MuonStep, msg: ChunkMessages, kept: Dict[Piece, torch.Tensor]) -> Dict[Piece, torch.Tensor]:
+    """Stage 1 of a chunk: the momentum of the master ranges it advances and their
+    orthogonalization inputs (Nesterov: ``g + mu * buf``), keyed by range. The inputs of
+    ranges a later chunk sends again go into ``kept``."""
     with record_function("muon/momentum"):
         states = step.shard_states.fetch(msg)
         bufs = states[MOMENTUM]
@@ -103,7 +114,18 @@ def chunk_update(
         inputs = torch._foreach_add(grads, bufs, alpha=step.momentum) if step.nesterov and bufs else bufs
         current = dict(zip(msg.momentum, inputs))
         kept.update({piece: current[piece].clone() for piece in msg.kept})
+    return current
 
+
+def chunk_exchange(
+    step: MuonStep,
+    msg: ChunkMessages,
+    current: Dict[Piece, torch.Tensor],
+    lr_wd: Sequence[Tuple[float, float]],
+    kept: Dict[Piece, torch.Tensor],
+) -> Iterator[None]:
+    """Stages 2-5 of a chunk, from its orthogonalization inputs (:func:`advance_momentum`)
+    to the updated masters; yields while each all-to-all travels."""
     # 2. Gather: every piece to the owner of its matrix.
     with record_function("muon/gather"):
         send = pack(
@@ -396,6 +418,8 @@ def scatter_matrices(
 
 __all__ = [
     "MuonStep",
+    "advance_momentum",
+    "chunk_exchange",
     "chunk_update",
     "decay_and_update_",
     "drive",

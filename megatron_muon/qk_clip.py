@@ -110,6 +110,13 @@ def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: t
             pos = row_end
 
 
+def scale_master_rows_(shard_map, param: torch.nn.Parameter, factors: torch.Tensor) -> None:
+    """Scale the rows of ``param`` that this rank's fp32 master shard covers by ``factors``."""
+    shard = shard_map[param]
+    if shard.master is not None:
+        scale_rows_(shard.master, shard.start, shard.end, storage_shape(param)[1], factors)
+
+
 class QKClip:
     """QK-Clip for the attention layers of this rank's model chunks."""
 
@@ -223,22 +230,28 @@ class QKClip:
         """:meth:`measure`, then clip (if ``qk_clip``) on the fp32 masters of ``shard_map``
         (a :class:`~megatron_muon.shard_map.ShardMap`). The chained optimizer resets the
         recorders after every step, taken or skipped."""
+        for param, factors in self.clip_factors():
+            scale_master_rows_(shard_map, param, factors)
+
+    @torch.no_grad()
+    def clip_factors(self) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+        """:meth:`measure` (collective), then the factor of every row of every weight this
+        step's clip scales (none without ``qk_clip``); counts ``heads_clipped``."""
         maxima = self.measure()
         self.heads_clipped = 0
-        if self.clip and maxima is not None:
-            offset = 0
-            for layer in self.layers:
-                s = maxima[offset : offset + layer.heads]
-                offset += layer.heads
-                gamma = head_gammas(s, self.tconfig.qk_clip_threshold)
-                clipped = int((gamma < 1.0).sum())
-                if not clipped:
-                    continue
+        out: List[Tuple[torch.nn.Parameter, torch.Tensor]] = []
+        if not self.clip or maxima is None:
+            return out
+        offset = 0
+        for layer in self.layers:
+            s = maxima[offset : offset + layer.heads]
+            offset += layer.heads
+            gamma = head_gammas(s, self.tconfig.qk_clip_threshold)
+            clipped = int((gamma < 1.0).sum())
+            if clipped:
                 self.heads_clipped += clipped
-                for param, factors in row_factors(layer, gamma, self.tconfig):
-                    shard = shard_map[param]
-                    if shard.master is not None:
-                        scale_rows_(shard.master, shard.start, shard.end, storage_shape(param)[1], factors)
+                out.extend(row_factors(layer, gamma, self.tconfig))
+        return out
 
     def layer_maxima(self) -> Dict[int, float]:
         """The last step's largest logit of each of this rank's layers (its heads on this TP

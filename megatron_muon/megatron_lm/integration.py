@@ -9,7 +9,8 @@ imports of its ``pretrain_gpt.py``)::
 then launch as before with ``--optimizer muon --use-distributed-optimizer`` and any
 ``--muon-*`` flag; ``--muon-impl megatron`` selects Megatron-core's own Muon. The wrappers
 replace module globals Megatron-LM looks up at call time: arguments, validation, optimizer
-factory, ``clip_qk`` and DDP construction here, checkpoint saves and loads in ``checkpoint_guards``.
+factory, ``clip_qk``, ``calc_params_l2_norm`` and DDP construction here, checkpoint saves and loads
+in ``checkpoint_guards``.
 docs/design.md ("Inside Megatron-LM") maps each one to the Megatron-LM lines it relies on.
 
 Megatron-LM's own ``--muon-*`` flags are reused; a value counts only when given on the
@@ -205,6 +206,19 @@ def check_supported(args: argparse.Namespace) -> None:
             f"(got {on('ckpt_format', None)!r}): use it",
         ),
         (
+            on("muon_step_overlap", "auto") == "forward" and on("use_megatron_fsdp"),
+            "finishes the step during the next forward (--muon-step-overlap forward) only on Megatron-DDP, not on "
+            "Megatron-FSDP (its parameter gather runs in hooks of its own): use --muon-step-overlap none or auto",
+        ),
+        (
+            on("muon_step_overlap", "auto") == "forward"
+            and not on("use_megatron_fsdp")
+            and not on("overlap_param_gather"),
+            "finishes the step during the next forward (--muon-step-overlap forward) as each bucket group's "
+            "parameter all-gather starts, which needs --overlap-param-gather (with --overlap-grad-reduce): add "
+            "them, or use --muon-step-overlap none",
+        ),
+        (
             on("async_save") and on("ckpt_format", None) == "fsdp_dtensor",
             "saves fsdp_dtensor checkpoints synchronously only (the async writer bypasses the staging directory "
             "and manifest): drop --async-save",
@@ -373,6 +387,21 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
     return training_log
 
 
+def _wrap_calc_params_l2_norm(original: Callable, module: Any, installed: _Installation) -> Callable:
+    """``--log-params-norm`` reads every parameter right after the step: with
+    ``--muon-step-overlap forward`` the step is finished first (for that iteration it then
+    overlaps nothing)."""
+
+    @functools.wraps(original)
+    def calc_params_l2_norm(*a, **kw):
+        optimizer = installed.optimizer
+        if optimizer is not None:
+            optimizer.finish_pending_step()
+        return original(*a, **kw)
+
+    return calc_params_l2_norm
+
+
 def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Ours for ``--optimizer muon --muon-impl megatron_muon``, Megatron's otherwise."""
     signature = inspect.signature(original)
@@ -506,6 +535,7 @@ def use_megatron_muon(
         ),
         (training_module, "clip_qk", functools.partial(_wrap_clip_qk, installed=installed)),
         (training_module, "training_log", functools.partial(_wrap_training_log, installed=installed)),
+        (training_module, "calc_params_l2_norm", functools.partial(_wrap_calc_params_l2_norm, installed=installed)),
         (
             training_module,
             "wrap_model_chunks_with_ddp",

@@ -13,7 +13,9 @@ builds the optimizer:
 * gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`master_grads`,
   :meth:`release_master_grads`);
 * masters -> model parameters (:meth:`copy_masters_to_model`) and the parameter sync
-  (:meth:`start_param_sync`);
+  (:meth:`start_param_sync`); with ``muon_step_overlap='forward'``, the units the sync
+  brings up to date one at a time and a hook before each (:meth:`param_sync_units`,
+  :meth:`before_param_sync`);
 * the checkpoint format it writes (:attr:`checkpoint_format`, :meth:`sharded_state_dict`,
   :meth:`load_state_dict`).
 
@@ -22,7 +24,7 @@ A new engine is one new module with a subclass, added to ``storage.ENGINES``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Sequence
+from typing import Any, Callable, ClassVar, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,12 @@ class StorageBackend:
         """Whether each matrix lies whole in one DP rank's shard (``buffer_layout.py``)."""
         return False
 
+    @classmethod
+    def step_overlap_refusal(cls, model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
+        """Why the Muon step cannot finish during the next forward on this engine
+        (``muon_step_overlap='forward'``), or None if it can."""
+        return f"{cls.__name__} has no per-unit parameter sync that megatron_muon hooks"
+
     # ------------------------------------------------------------------ the optimizer's storage
     def __init__(self, opt, data_parallel_group: dist.ProcessGroup) -> None:
         self.opt = opt
@@ -85,12 +93,23 @@ class StorageBackend:
     def release_master_grads(self) -> None:
         """Drop the masters' gradients (``zero_grad``)."""
 
-    def copy_masters_to_model(self) -> None:
-        """The updated masters into the model's parameters (their shard of them)."""
+    def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
+        """The updated masters into the model's parameters (their shard of them); only the
+        parameters whose ``id`` is in ``params`` if given."""
         raise NotImplementedError
 
     def start_param_sync(self) -> None:
         """Bring every rank's parameters up to date after the update (or start to)."""
+        raise NotImplementedError
+
+    def param_sync_units(self) -> List[Tuple[Any, FrozenSet[int]]]:
+        """The units the parameter sync brings up to date one at a time, each with the ids
+        of its parameters, in the same order on every rank."""
+        raise NotImplementedError
+
+    def before_param_sync(self, unit: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` before ``unit``'s parameters are synced, on every path that
+        syncs them (the next forward, evaluation, checkpointing)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoints

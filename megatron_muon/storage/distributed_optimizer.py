@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -71,6 +71,16 @@ class DistributedOptimizerStorage(StorageBackend):
             )
         return aligned
 
+    @classmethod
+    def step_overlap_refusal(cls, model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
+        if not all(chunk.ddp_config.overlap_param_gather for chunk in model_chunks):
+            return (
+                "the step finishes as each bucket group's parameter all-gather starts, which DDP overlaps with "
+                "the forward only with DistributedDataParallelConfig(overlap_param_gather=True) "
+                "(--overlap-param-gather)"
+            )
+        return None
+
     def __init__(self, opt, data_parallel_group) -> None:
         # The plan's DP group is the buffers' own (Megatron's intra-instance group).
         super().__init__(opt, opt.buffers[0].data_parallel_group if opt.buffers else data_parallel_group)
@@ -108,8 +118,36 @@ class DistributedOptimizerStorage(StorageBackend):
     def master_grads(self) -> List[torch.Tensor]:
         return DistributedOptimizer._collect_main_grad_data_for_unscaling(self.opt)
 
-    def copy_masters_to_model(self) -> None:
-        DistributedOptimizer._copy_main_params_to_model_params(self.opt)
+    def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
+        """Megatron's copy; for a subset of the parameters, the same copy of each into its
+        range of the bucket's parameter buffer (what Megatron's all-gather then sends)."""
+        opt = self.opt
+        if params is None:
+            DistributedOptimizer._copy_main_params_to_model_params(opt)
+            return
+        groups = zip(
+            opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups, opt.model_float16_groups + opt.model_fp32_groups
+        )
+        for masters, models in groups:
+            for master, param in zip(masters, models):
+                if id(param) not in params:
+                    continue
+                world = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                buffer_index, _, bucket_index = opt.model_param_gbuf_map[param]
+                param_data = opt.buffers[buffer_index].buckets[bucket_index].param_data
+                param_data.view(-1)[world.start : world.end].copy_(master)
+
+    def own_bucket_groups(self) -> List[Tuple[Any, Any]]:
+        """(model chunk, bucket group) of every DDP bucket group built from this optimizer's
+        own buffers (dense or expert-parallel), in model-chunk order."""
+        opt = self.opt
+        mine = {id(bucket) for buffer in opt.buffers for bucket in buffer.buckets}
+        return [
+            (model_chunk, bucket_group)
+            for model_chunk in opt.model_chunks
+            for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups
+            if any(id(bucket) in mine for bucket in bucket_group.buckets)
+        ]
 
     def start_param_sync(self) -> None:
         """All-gather the parameters of the bucket groups built from this optimizer's own
@@ -124,12 +162,28 @@ class DistributedOptimizerStorage(StorageBackend):
         opt = self.opt
         if opt.ddp_config.overlap_param_gather:
             return
-        mine = {id(bucket) for buffer in opt.buffers for bucket in buffer.buckets}
+        groups = self.own_bucket_groups()
         with megatron_timer(opt.config, "params-all-gather"):
-            for model_chunk in opt.model_chunks:
-                for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups:
-                    if any(id(bucket) in mine for bucket in bucket_group.buckets):
-                        model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
+            for model_chunk, bucket_group in groups:
+                model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
+
+    def param_sync_units(self) -> List[Tuple[Any, FrozenSet[int]]]:
+        """DDP's bucket groups of this optimizer's buffers."""
+        return [(group, frozenset(id(p) for p in group.params)) for _, group in self.own_bucket_groups()]
+
+    def before_param_sync(self, unit: Any, callback: Callable[[], None]) -> None:
+        """Every all-gather of a bucket group starts in its ``start_param_sync`` (DDP's
+        forward pre-hook and its prefetch of the next group, the pipeline schedules'
+        ``param_sync_func``, the forced syncs before evaluation and checkpoints): run
+        ``callback`` first. Installed once per bucket group; a later optimizer's replaces it."""
+        megatron_start = getattr(unit, "_megatron_start_param_sync", None) or unit.start_param_sync
+        unit._megatron_start_param_sync = megatron_start
+
+        def start_param_sync(force_sync: bool = False):
+            callback()
+            return megatron_start(force_sync=force_sync)
+
+        unit.start_param_sync = start_param_sync
 
     def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
         return optimizer_sharded_state(chain, model_sharded_state_dict, is_loading)

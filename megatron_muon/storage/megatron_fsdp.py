@@ -24,7 +24,7 @@ Megatron's byte-level DDP layout.
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -167,6 +167,10 @@ class MegatronFSDPStorage(StorageBackend):
     checkpoint_format = "fsdp_dtensor"
 
     @classmethod
+    def step_overlap_refusal(cls, model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
+        return "Megatron-FSDP gathers the parameters in pre-forward hooks of its own, which megatron_muon does not hook"
+
+    @classmethod
     def wraps(cls, chunk: torch.nn.Module) -> bool:
         return is_megatron_fsdp(chunk)
 
@@ -255,9 +259,12 @@ class MegatronFSDPStorage(StorageBackend):
             if shard.master is not None:
                 shard.master.grad = None
 
-    def copy_masters_to_model(self) -> None:
+    def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
         """Megatron's copy (its Megatron-FSDP branch); one copy covers the dense and the
-        expert parameters of a chunk, so the dense optimizer makes it."""
+        expert parameters of a chunk, so the dense optimizer makes it. Never for a subset:
+        the step does not overlap on Megatron-FSDP (:meth:`step_overlap_refusal`)."""
+        if params is not None:
+            raise NotImplementedError("Megatron-FSDP copies every parameter at once.")
         if self.opt.name == "dense":
             DistributedOptimizer._copy_main_params_to_model_params(self.opt)
 

@@ -547,6 +547,9 @@ BAD_INPUT = [
         ["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-cpu-offload"],
         "does not offload to the CPU on Megatron-FSDP",
     ),
+    (["--recipe", "tiny_gqa", "--muon-step-overlap", "forward"], "needs --overlap-param-gather"),
+    (["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-step-overlap", "forward"], "not on Megatron-FSDP"),
+    (["--recipe", "tiny_gqa", "--muon-step-overlap", "later"], "muon_step_overlap='later' is not supported"),
     # optional packages Megatron-LM imports only once it runs (tests.helpers.bad_input hides them)
     (
         ["--recipe", "tiny_gqa", "--wandb-project", "p", "--wandb-save-dir", "w", "--tensorboard-dir", "t"],

@@ -1,0 +1,127 @@
+"""The Muon step finished while the next forward runs (``muon_step_overlap='forward'``).
+
+A parameter reaches the next forward only through its unit of the parameter sync (with
+Megatron-DDP's ``overlap_param_gather``: its bucket group's all-gather). Every path to that
+sync passes one place, the unit's ``start_param_sync``: DDP's forward pre-hook and its
+prefetch of the next group, Megatron's pipeline schedules (``param_sync_func``), and the
+forced syncs before evaluation, checkpointing and shutdown. So:
+
+- ``optimizer.step()`` does what needs every rank at once (non-finite check, grad norm,
+  clipping, AdamW on the scalar parameters, each Muon range's momentum, QK-Clip's max
+  logits and row factors) and captures this step's learning rates; each Muon chunk's
+  exchange (gather, Newton–Schulz, scatter, update) is left pending;
+- before a unit syncs, :meth:`PendingStep.finish` runs the pending chunks holding any
+  matrix of its parameters, in plan order, then QK-Clip on those parameters' masters, then
+  their master -> model copy. Every rank of an orthogonalization group runs the same
+  forward, so all of them finish the same chunks in the same order.
+
+A chunk does here exactly what it does inside ``step()`` with 'none', on the same inputs:
+the parameters come out the same bits. The chunks run on the calling stream inside the
+forward, so what hides is their communication and the wait for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.profiler import record_function
+
+from .pipeline import drive
+from .qk_clip import scale_master_rows_
+
+
+class PendingStep:
+    """What a taken step of chained Muon optimizers (dense first) has not run yet, and the
+    hooks before each parameter-sync unit that run it."""
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = list(optimizers)
+        self.chunk_params: List[List[FrozenSet[int]]] = [
+            [frozenset(id(opt.plan.params[job.param_index].param) for job in chunk.jobs) for chunk in opt.plan.chunks]
+            for opt in self.optimizers
+        ]
+        """Per optimizer, per chunk of its plan: the ids of the parameters its matrices are of."""
+        self.units: List[Tuple[int, Any, FrozenSet[int]]] = []
+        """(optimizer position, unit, its parameter ids), in the same order on every rank."""
+        for position, opt in enumerate(self.optimizers):
+            for unit, params in opt.storage.param_sync_units():
+                index = len(self.units)
+                self.units.append((position, unit, params))
+                opt.storage.before_param_sync(unit, lambda index=index: self.finish(index))
+        self.chunks: List[Dict[int, Iterator[None]]] = [{} for _ in self.optimizers]
+        """Per optimizer: chunk index -> its pending exchange (a ``pipeline`` generator)."""
+        self.clips: Dict[int, Tuple[torch.nn.Parameter, torch.Tensor]] = {}
+        """Parameter id -> (parameter, row factors) of QK-Clip still to scale its master by."""
+        self.unsynced: Set[int] = set()
+        """Units whose masters have not been copied to the model since the step."""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.unsynced)
+
+    def begin(
+        self, chunks: Sequence[Sequence[Iterator[None]]], clips: Sequence[Tuple[torch.nn.Parameter, torch.Tensor]]
+    ) -> None:
+        """Leave a step pending: every optimizer's chunk exchanges (in plan order) and QK-Clip's
+        row factors."""
+        if self.active:
+            raise RuntimeError("PendingStep.begin: the previous step is still pending; finish_all() it first.")
+        self.chunks = [dict(enumerate(c)) for c in chunks]
+        self.clips = {id(param): (param, factors) for param, factors in clips}
+        self.unsynced = set(range(len(self.units)))
+
+    @torch.no_grad()
+    def finish(self, index: int) -> None:
+        """Unit ``index`` is about to sync: run what its parameters still wait for."""
+        if index not in self.unsynced:
+            return
+        position, _, params = self.units[index]
+        opt = self.optimizers[position]
+        pending = self.chunks[position]
+        ready = [i for i in pending if self.chunk_params[position][i] & params]
+        if ready:
+            drive([pending.pop(i) for i in ready], opt.config.muon_max_inflight_chunks)
+            if not pending:
+                opt.end_muon_step()
+        self._sync_masters(index)
+
+    @torch.no_grad()
+    def finish_all(self) -> None:
+        """Run everything still pending, in the order ``step()`` runs it with 'none' (every
+        chunk of each optimizer in plan order), then each unit's QK-Clip and copy."""
+        for opt, pending in zip(self.optimizers, self.chunks):
+            if pending:
+                chunks = list(pending.values())
+                pending.clear()
+                drive(chunks, opt.config.muon_max_inflight_chunks)
+                opt.end_muon_step()
+        for index in sorted(self.unsynced):
+            self._sync_masters(index)
+
+    def _sync_masters(self, index: int) -> None:
+        """QK-Clip on the unit's masters, then their copy into the model's parameters."""
+        position, _, params = self.units[index]
+        opt = self.optimizers[position]
+        clipped = [self.clips.pop(p) for p in params if p in self.clips]
+        if clipped:
+            with record_function("muon/qk_clip"):
+                for param, factors in clipped:
+                    scale_master_rows_(opt.shard_map, param, factors)
+        with record_function("muon/copy_to_model"):
+            opt.storage.copy_masters_to_model(params)
+        self.unsynced.discard(index)
+
+
+def step_overlap_mode(config: Any, model_chunks: Sequence[torch.nn.Module], storage: Any) -> str:
+    """``config.muon_step_overlap`` resolved for these chunks ('none' or 'forward'); 'forward'
+    asked where it cannot run raises, naming the reason and the fix."""
+    refusal: Optional[str] = storage.step_overlap_refusal(model_chunks)
+    if config.muon_step_overlap == "auto":
+        return "none" if refusal is not None or config.muon_cpu_offload else "forward"
+    if config.muon_step_overlap == "forward" and refusal is not None:
+        raise ValueError(
+            f"get_muon_optimizer: muon_step_overlap='forward' cannot run here: {refusal}. Set "
+            "muon_step_overlap='none' (--muon-step-overlap none), or 'auto' to overlap wherever it can."
+        )
+    return config.muon_step_overlap

@@ -1,0 +1,149 @@
+"""``muon_step_overlap='forward'``: the step finished during the next forward gives the same
+bits as the step finished inside ``optimizer.step()`` ('none'), on real Megatron-core models
+under DDP with ``overlap_param_gather`` (CPU, gloo).
+
+One spawned run per layout trains both modes in fp32 and in bf16 for 12 steps, with a
+``clip_grad`` that acts on some of them, and compares every loss, grad norm and final
+parameter bit for bit; between steps it checks that the step really was left pending (the
+model's parameters still the old ones) and that the forward finished it. In the same run a
+NaN in one rank's gradient is skipped on every rank with nothing left pending.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_muon.testing import models as M
+from megatron_muon.testing import run_distributed
+from tests.helpers.training import MBS, build
+
+OVERLAP_DDP = dict(overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=3000)
+LAYOUT = dict(muon_buffer_layout="megatron", muon_chunk_numel=4096)
+"""Small buckets and chunks, so that chunks finish in more than one place of the forward.
+(The owner-aligned layout packs a tiny model's matrices into one bucket: its step would
+finish in one place.)"""
+STEPS = 12
+QK = dict(qk_clip=True, qk_clip_threshold=0.04)
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for chunk in model for p in chunk.parameters()])
+
+
+def _train(spec_kwargs: dict, precision: str, mode: str, clip: float) -> dict:
+    spec = M.TinyModelSpec(**spec_kwargs, bf16=precision == "bf16")
+    overrides = dict(muon_ns_dtype=torch.bfloat16) if precision == "bf16" else {}
+    chunks, model, opt, sched = build(
+        spec, ddp=OVERLAP_DDP, clip_grad=clip, muon_step_overlap=mode, **LAYOUT, **overrides
+    )
+    batches = M.synthetic_batches(spec, 8, STEPS, seed=3)
+    losses, norms, deferred = [], [], []
+    for tokens in batches:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        opt.zero_grad()
+        loss = M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
+        before = _params(model)
+        ok, norm, _ = opt.step()
+        assert ok
+        sched.step(1)
+        if mode == "forward":  # chunks pending; a bf16 model's parameters not yet touched (an
+            # fp32 model's master shards are views of its parameters: they move as updated)
+            untouched = precision == "fp32" or bool(torch.equal(before, _params(model)))
+            deferred.append(any(opt.pending.chunks) and untouched)
+        losses.append(loss)
+        norms.append(norm)
+    for chunk in model:  # what Megatron-LM's end of training does
+        chunk.start_param_sync(force_sync=True)
+    out = dict(losses=losses, norms=norms, deferred=deferred, state=M.gather_canonical_state(chunks))
+    if mode == "forward":
+        out["finished_by_the_forward"] = _finished_by_the_forward(model, opt, spec, batches[0])
+        out["nan"] = _nan_step(model, opt, spec, batches[1])
+    return out
+
+
+def _finished_by_the_forward(model, opt, spec, tokens) -> int:
+    """One more step, then a forward pass alone (no sync forced): how many bucket groups'
+    syncs ran chunks (0 if anything stays pending)."""
+    from megatron_muon import step_overlap
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    opt.zero_grad()
+    M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
+    assert opt.step()[0] and opt.pending.active
+    drives = []
+    drive = step_overlap.drive
+    step_overlap.drive = lambda chunks, *a, **kw: (drives.append(len(chunks)), drive(chunks, *a, **kw))
+    try:
+        M.forward_backward(model, tokens, MBS, spec, forward_only=True)
+    finally:
+        step_overlap.drive = drive
+    return 0 if opt.pending.active else len(drives)
+
+
+def _nan_step(model, opt, spec, tokens) -> dict:
+    """A NaN in rank 0's reduced gradient of a Muon matrix: every rank skips, nothing is pending,
+    parameters and optimizer state are unchanged."""
+    import torch.distributed as dist
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    opt.zero_grad()
+    M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
+    for chunk in model:  # the last step's parameters everywhere, to compare against
+        chunk.start_param_sync(force_sync=True)
+    if dist.get_rank() == 0:  # into its own shard of the reduced gradient of a Muon matrix
+        shard = next(s for s in (opt.dense.shard_map[mp.param] for mp in opt.dense.muon_params) if s.master is not None)
+        shard.param.main_grad.view(-1)[shard.start] = float("nan")
+    momentum = [
+        s["momentum_buffer"].clone()
+        for o in opt.muon_optimizers
+        for s in o.optimizer.state.values()
+        if "momentum_buffer" in s
+    ]
+    before = _params(model)
+    ok, norm, _ = opt.step()
+    after = [
+        s["momentum_buffer"] for o in opt.muon_optimizers for s in o.optimizer.state.values() if "momentum_buffer" in s
+    ]
+    return dict(
+        ok=ok,
+        pending=opt.pending.active,
+        unchanged=bool(torch.equal(before, _params(model))) and all(torch.equal(a, b) for a, b in zip(momentum, after)),
+    )
+
+
+def _both_modes(spec_kwargs: dict, clip: float) -> dict:
+    return {(p, m): _train(spec_kwargs, p, m, clip) for p in ("fp32", "bf16") for m in ("none", "forward")}
+
+
+# The clip_grad of each: between the grad norms its model reaches in 12 steps, so that
+# clipping acts on some steps only.
+LAYOUTS = [
+    pytest.param(4, dict(tp=2), dict(kind="gqa", extra=QK), 1.75, id="DP2xTP2-gqa-qkclip"),
+    pytest.param(4, dict(ep=2), dict(kind="moe", mla=True, extra=QK), 1.75, id="EP2xDP2-moe-mla-qkclip"),
+    pytest.param(2, dict(pp=2, vpp=2), dict(kind="gqa", num_layers=4), 150.0, id="PP2-VPP2"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,layout,model,clip", LAYOUTS)
+def test_forward_overlap_is_bitwise_the_step(world, layout, model, clip):
+    ranks = run_distributed(_both_modes, world, model, clip, timeout_s=580, **layout)
+    for r in ranks:
+        for precision in ("fp32", "bf16"):
+            none, forward = r[(precision, "none")], r[(precision, "forward")]
+            assert forward["losses"] == none["losses"], (precision, forward["losses"], none["losses"])
+            assert forward["norms"] == none["norms"], precision
+            norms = none["norms"]
+            assert min(norms) < clip < max(norms), f"{precision}: clip_grad {clip} must act on some steps: {norms}"
+            assert all(forward["deferred"]), f"{precision}: a step was not left pending: {forward['deferred']}"
+            for key, pieces in none["state"].items():
+                for (region, want), (_, got) in zip(pieces, forward["state"][key]):
+                    assert torch.equal(got, want), f"{precision}: {key} {region} differs"
+            # The chunks finish in more than one place of the forward, nothing left over.
+            assert forward["finished_by_the_forward"] > 1, (precision, forward["finished_by_the_forward"])
+            nan = forward["nan"]
+            assert nan["ok"] is False and not nan["pending"] and nan["unchanged"], (precision, nan)
