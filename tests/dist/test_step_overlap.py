@@ -123,8 +123,10 @@ def _both_modes(spec_kwargs: dict, clip: float) -> dict:
 # clipping acts on some steps only.
 LAYOUTS = [
     pytest.param(4, dict(tp=2), dict(kind="gqa", extra=QK), 1.75, id="DP2xTP2-gqa-qkclip"),
-    pytest.param(4, dict(ep=2), dict(kind="moe", mla=True, extra=QK), 1.75, id="EP2xDP2-moe-mla-qkclip"),
-    pytest.param(2, dict(pp=2, vpp=2), dict(kind="gqa", num_layers=4), 150.0, id="PP2-VPP2"),
+    pytest.param(
+        4, dict(ep=2), dict(kind="moe", mla=True, extra=QK), 1.75, id="EP2xDP2-moe-mla-qkclip", marks=pytest.mark.slow
+    ),
+    pytest.param(2, dict(pp=2, vpp=2), dict(kind="gqa", num_layers=4), 150.0, id="PP2-VPP2", marks=pytest.mark.slow),
 ]
 
 
