@@ -4,7 +4,8 @@ The rest of the suite runs on the CPU even where a GPU is present (its launches 
 devices). Here the same code runs on CUDA: the Newton–Schulz kernels (eager and compiled)
 against a float64 iteration, the main job on one GPU (NCCL, Megatron's local layer specs)
 against the same run on the CPU, transformer-engine's layer specs when it is installed,
-the offload's side-stream copies, and two GPUs over NCCL when there are two. Skipped
+the offload's side-stream copies, the step finished in the next forward, and two GPUs over
+NCCL when there are two. Skipped
 without CUDA; README's "On a CUDA machine" section runs it.
 """
 
@@ -112,6 +113,17 @@ def test_offload_copies_on_side_streams_match_the_device_run():
     offloaded = _launch(["--bf16", "--transformer-impl", "local", "--muon-cpu-offload", "--optimizer-cpu-offload",
                          "--use-precision-aware-optimizer", "--optimizer-offload-fraction", "1.0"])  # fmt: skip
     _close(offloaded, on_device, 1e-3)
+
+
+def test_step_finished_in_the_next_forward_on_cuda_is_the_step():
+    """bf16 with --overlap-param-gather: --muon-step-overlap forward (the chunks finished in
+    DDP's forward pre-hooks on the GPU) logs the losses of none, to the last digit; with two
+    GPUs, at DP2 too (NCCL's all-to-alls inside the forward)."""
+    flags = ["--bf16", "--transformer-impl", "local", "--overlap-grad-reduce", "--overlap-param-gather"]
+    nprocs = (1, 2) if torch.cuda.device_count() >= 2 else (1,)
+    for nproc in nprocs:
+        none = _launch([*flags, "--muon-step-overlap", "none"], nproc=nproc)
+        assert _launch([*flags, "--muon-step-overlap", "forward"], nproc=nproc) == none, nproc
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -9,7 +9,8 @@ stopped and keeps what it had finished, so a slow part cannot starve the rest):
 
 1. ``cuda_tier``: ``pytest tests/cuda`` (Newton–Schulz eager and compiled against float64,
    the main job on one GPU against the same run on the CPU, the offload's side-stream
-   copies; transformer-engine's layer specs where it is installed).
+   copies, the step finished in the next forward against the whole step; transformer-engine's
+   layer specs where it is installed).
 2. ``newton_schulz``: Newton–Schulz throughput at the recipes' real logical-matrix shapes
    (``newton_schulz.py --shapes recipes``), standard and Gram, eager and compiled, bf16, as
    TFLOP/s and as a fraction of the bf16 GEMM rate measured in the same run.
@@ -49,8 +50,8 @@ if __name__ == "__main__":
 from tools.bench import common
 
 ROOT = common.REPO_ROOT
-PLAN_LIMIT_S = 420
-"""The whole command's plan (the sum of the time boxes) stays under seven minutes."""
+PLAN_LIMIT_S = 480
+"""The whole command's plan (the sum of the time boxes) stays under eight minutes."""
 
 MAIN_JOB_MODEL = [
     "--num-layers", "8", "--hidden-size", "2048", "--ffn-hidden-size", "5632",
@@ -78,7 +79,11 @@ class Part:
 
 
 PARTS = (
-    Part("cuda_tier", 130, "pytest tests/cuda: Newton–Schulz on CUDA vs float64, the main job GPU vs CPU, offload"),
+    Part(
+        "cuda_tier",
+        160,
+        "pytest tests/cuda: Newton–Schulz on CUDA vs float64, the main job GPU vs CPU, offload, step overlap",
+    ),
     Part("newton_schulz", 85, "Newton–Schulz TFLOP/s at the recipes' shapes, fraction of the measured bf16 peak"),
     Part("optimizer_step", 120, "optimizer-step peers on one GPU: step time and optimizer memory"),
     Part("main_job", 80, "tools/pretrain_gpt.py on one GPU, bf16: Muon vs AdamW iteration time"),
