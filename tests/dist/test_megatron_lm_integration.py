@@ -355,3 +355,14 @@ def test_undo_then_install_again_validates_once(megatron_lm):
     launch.install_argument_layers()
     args = launch.validated_args(["--recipe", "tiny_moe_mla"])
     assert args.optimizer == "muon" and args.qk_clip
+
+
+def test_update_rms_measured_every_log_interval_when_the_step_overlaps():
+    """Measuring the update RMS finishes a pending step at once: with the step finished in the
+    next forward it is measured every --log-interval (rounded up to a TensorBoard log), not
+    at every TensorBoard log."""
+    whole, pending = types.SimpleNamespace(pending=None), types.SimpleNamespace(pending=object())
+    for tensorboard, log, overlapped in ((1, 100, 100), (3, 10, 12), (5, 1, 5), (1, 1, 1)):
+        args = types.SimpleNamespace(tensorboard_log_interval=tensorboard, log_interval=log)
+        assert I.update_rms_interval(args, whole) == tensorboard
+        assert I.update_rms_interval(args, pending) == overlapped
