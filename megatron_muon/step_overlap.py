@@ -116,7 +116,7 @@ class PendingStep:
 def step_overlap_mode(config: Any, model_chunks: Sequence[torch.nn.Module], storage: Any) -> str:
     """``config.muon_step_overlap`` resolved for these chunks ('none' or 'forward'); 'forward'
     asked where it cannot run raises, naming the reason and the fix."""
-    refusal: Optional[str] = storage.step_overlap_refusal(model_chunks)
+    refusal: Optional[str] = storage.step_overlap_refusal([chunk.ddp_config for chunk in model_chunks])
     if config.muon_step_overlap == "auto":
         return "none" if refusal is not None or config.muon_cpu_offload else "forward"
     if config.muon_step_overlap == "forward" and refusal is not None:

@@ -152,11 +152,15 @@ def _ours(args: argparse.Namespace) -> bool:
     return getattr(args, "optimizer", None) in ("muon", "dist_muon") and getattr(args, "muon_impl", None) == IMPLS[0]
 
 
+def _storage(args: argparse.Namespace) -> type:
+    """The storage backend a run's arguments choose (Megatron-FSDP or the distributed optimizer)."""
+    return MegatronFSDPStorage if getattr(args, "use_megatron_fsdp", False) else DistributedOptimizerStorage
+
+
 def _checkpoint_format(args: argparse.Namespace) -> str:
     """The one checkpoint format of a run: its storage backend's (fsdp_dtensor on
     Megatron-FSDP, else torch_dist)."""
-    fsdp = getattr(args, "use_megatron_fsdp", False)
-    return (MegatronFSDPStorage if fsdp else DistributedOptimizerStorage).checkpoint_format
+    return _storage(args).checkpoint_format
 
 
 def check_supported(args: argparse.Namespace) -> None:
@@ -165,6 +169,9 @@ def check_supported(args: argparse.Namespace) -> None:
     def on(name: str, default: Any = False) -> Any:
         return getattr(args, name, default)
 
+    overlap_refusal = (
+        _storage(args).step_overlap_refusal([args]) if on("muon_step_overlap", "auto") == "forward" else None
+    )
     problems = [
         (
             args.optimizer == "dist_muon",
@@ -206,17 +213,9 @@ def check_supported(args: argparse.Namespace) -> None:
             f"(got {on('ckpt_format', None)!r}): use it",
         ),
         (
-            on("muon_step_overlap", "auto") == "forward" and on("use_megatron_fsdp"),
-            "finishes the step during the next forward (--muon-step-overlap forward) only on Megatron-DDP, not on "
-            "Megatron-FSDP (its parameter gather runs in hooks of its own): use --muon-step-overlap none or auto",
-        ),
-        (
-            on("muon_step_overlap", "auto") == "forward"
-            and not on("use_megatron_fsdp")
-            and not on("overlap_param_gather"),
-            "finishes the step during the next forward (--muon-step-overlap forward) as each bucket group's "
-            "parameter all-gather starts, which needs --overlap-param-gather (with --overlap-grad-reduce): add "
-            "them, or use --muon-step-overlap none",
+            overlap_refusal is not None,
+            f"cannot finish the step during the next forward (--muon-step-overlap forward): {overlap_refusal}; "
+            "or use --muon-step-overlap none (auto overlaps wherever it can)",
         ),
         (
             on("async_save") and on("ckpt_format", None) == "fsdp_dtensor",

@@ -62,9 +62,10 @@ class StorageBackend:
         return False
 
     @classmethod
-    def step_overlap_refusal(cls, model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
+    def step_overlap_refusal(cls, ddp_settings: Sequence[Any]) -> Optional[str]:
         """Why the Muon step cannot finish during the next forward on this engine
-        (``muon_step_overlap='forward'``), or None if it can."""
+        (``muon_step_overlap='forward'``), or None if it can. ``ddp_settings``: each chunk's
+        ``ddp_config``, or Megatron-LM's arguments (the same names) before any chunk exists."""
         return f"{cls.__name__} has no per-unit parameter sync that megatron_muon hooks"
 
     # ------------------------------------------------------------------ the optimizer's storage

@@ -72,12 +72,18 @@ class DistributedOptimizerStorage(StorageBackend):
         return aligned
 
     @classmethod
-    def step_overlap_refusal(cls, model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
-        if not all(chunk.ddp_config.overlap_param_gather for chunk in model_chunks):
+    def step_overlap_refusal(cls, ddp_settings: Sequence[Any]) -> Optional[str]:
+        if not all(d.overlap_param_gather for d in ddp_settings):
             return (
-                "the step finishes as each bucket group's parameter all-gather starts, which DDP overlaps with "
-                "the forward only with DistributedDataParallelConfig(overlap_param_gather=True) "
-                "(--overlap-param-gather)"
+                "it needs --overlap-param-gather (DistributedDataParallelConfig(overlap_param_gather=True), with "
+                "--overlap-grad-reduce): the step finishes as each bucket group's parameter all-gather starts, "
+                "which DDP overlaps with the forward only then"
+            )
+        if any(getattr(d, "fp8_param_gather", False) or getattr(d, "fp4_param_gather", False) for d in ddp_settings):
+            # copy_masters_to_model(params) copies; Megatron quantizes a whole optimizer's shards at once
+            return (
+                "the copy of one bucket group's masters does not quantize FP8 / FP4 parameters "
+                "(--fp8-param-gather / --fp4-param-gather)"
             )
         return None
 
@@ -120,7 +126,9 @@ class DistributedOptimizerStorage(StorageBackend):
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
         """Megatron's copy; for a subset of the parameters, the same copy of each into its
-        range of the bucket's parameter buffer (what Megatron's all-gather then sends)."""
+        range of the bucket's parameter buffer (what Megatron's all-gather then sends).
+        Megatron has no per-parameter copy; the subset path is its plain (unquantized) one,
+        so the step overlap that uses it is refused with FP8 / FP4 parameter gathers."""
         opt = self.opt
         if params is None:
             DistributedOptimizer._copy_main_params_to_model_params(opt)

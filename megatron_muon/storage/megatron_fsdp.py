@@ -167,8 +167,11 @@ class MegatronFSDPStorage(StorageBackend):
     checkpoint_format = "fsdp_dtensor"
 
     @classmethod
-    def step_overlap_refusal(cls, model_chunks: Sequence[torch.nn.Module]) -> Optional[str]:
-        return "Megatron-FSDP gathers the parameters in pre-forward hooks of its own, which megatron_muon does not hook"
+    def step_overlap_refusal(cls, ddp_settings: Sequence[Any]) -> Optional[str]:
+        return (
+            "it runs on Megatron-DDP, not on Megatron-FSDP, whose parameter gather runs in pre-forward hooks of its "
+            "own that megatron_muon does not hook"
+        )
 
     @classmethod
     def wraps(cls, chunk: torch.nn.Module) -> bool:

@@ -35,10 +35,37 @@ def test_the_chunks_choose_their_backend_and_a_mix_is_refused():
     }
 
 
+def test_step_overlap_runs_only_where_the_engine_can_finish_a_bucket_group_alone():
+    """'auto' picks 'forward' only under DDP with overlap_param_gather and unquantized
+    parameter gathers; 'forward' asked elsewhere is refused, naming why."""
+    from megatron_muon.step_overlap import step_overlap_mode
+
+    def ddp(**flags):
+        config = dict(
+            use_megatron_fsdp=False, overlap_param_gather=True, fp8_param_gather=False, fp4_param_gather=False
+        )
+        return SimpleNamespace(ddp_config=SimpleNamespace(**{**config, **flags}), buffers=[])
+
+    def mode(chunk, asked="auto", offload=False):
+        config = SimpleNamespace(muon_step_overlap=asked, muon_cpu_offload=offload)
+        return step_overlap_mode(config, [chunk], storage_for([chunk]))
+
+    assert mode(ddp()) == mode(ddp(), "forward") == "forward"
+    assert mode(ddp(), "none") == mode(ddp(), offload=True) == "none"
+    cases = [(ddp(overlap_param_gather=False), "--overlap-param-gather"), (ddp(fp8_param_gather=True), "FP8"),
+             (ddp(fp4_param_gather=True), "FP4"), (_fsdp_chunk(), "Megatron-FSDP")]  # fmt: skip
+    for chunk, why in cases:
+        assert mode(chunk) == "none"
+        with pytest.raises(ValueError, match=f"muon_step_overlap='forward' cannot run here: .*{why}"):
+            mode(chunk, "forward")
+
+
 ENGINE_NAMES = re.compile(r"fsdp|use_distributed_optimizer|param_and_grad_buffer|bucket", re.IGNORECASE)
 
 
-@pytest.mark.parametrize("module", ["optimizer.py", "factory.py", "pipeline.py", "planner.py", "state.py"])
+@pytest.mark.parametrize(
+    "module", ["optimizer.py", "factory.py", "pipeline.py", "planner.py", "state.py", "step_overlap.py"]
+)
 def test_only_the_storage_modules_know_the_engine(module):
     """The optimizer, the factory and the step name nothing of a data-parallel engine in
     their code (names, attributes, imports; prose aside): no branch on it can hide there, and
