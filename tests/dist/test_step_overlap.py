@@ -31,6 +31,13 @@ def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for chunk in model for p in chunk.parameters()])
 
 
+def _momenta(opt) -> torch.Tensor:
+    """Every Muon momentum this rank holds, flat (empty where it holds none)."""
+    held = [s["momentum_buffer"].reshape(-1) for o in opt.muon_optimizers for s in o.optimizer.state.values()
+            if "momentum_buffer" in s]  # fmt: skip
+    return torch.cat([torch.empty(0), *held])
+
+
 def _train(spec_kwargs: dict, precision: str, mode: str, clip: float) -> dict:
     spec = M.TinyModelSpec(**spec_kwargs, bf16=precision == "bf16")
     overrides = dict(muon_ns_dtype=torch.bfloat16) if precision == "bf16" else {}
@@ -97,21 +104,12 @@ def _nan_step(model, opt, spec, tokens) -> dict:
     if dist.get_rank() == 0:  # into its own shard of the reduced gradient of a Muon matrix
         shard = next(s for s in (opt.dense.shard_map[mp.param] for mp in opt.dense.muon_params) if s.master is not None)
         shard.param.main_grad.view(-1)[shard.start] = float("nan")
-    momentum = [
-        s["momentum_buffer"].clone()
-        for o in opt.muon_optimizers
-        for s in o.optimizer.state.values()
-        if "momentum_buffer" in s
-    ]
-    before = _params(model)
+    momentum, before = _momenta(opt), _params(model)
     ok, norm, _ = opt.step()
-    after = [
-        s["momentum_buffer"] for o in opt.muon_optimizers for s in o.optimizer.state.values() if "momentum_buffer" in s
-    ]
     return dict(
         ok=ok,
         pending=opt.pending.active,
-        unchanged=bool(torch.equal(before, _params(model))) and all(torch.equal(a, b) for a, b in zip(momentum, after)),
+        unchanged=bool(torch.equal(before, _params(model))) and bool(torch.equal(momentum, _momenta(opt))),
     )
 
 
