@@ -159,8 +159,8 @@ class MuonConfig(OptimizerConfig):
     ``step()`` does what needs every rank at once (non-finite check, grad norm and clipping,
     AdamW, the momentum, QK-Clip's max logits) and each chunk of Newton–Schulz work finishes
     when the next forward starts the parameter all-gather of a bucket group holding its
-    matrices (needs DDP's ``overlap_param_gather``; not with Megatron-FSDP or
-    ``muon_cpu_offload``). 'auto': 'forward' when DDP overlaps the parameter all-gather,
+    matrices (needs DDP's ``overlap_param_gather``; not with Megatron-FSDP,
+    ``muon_cpu_offload`` or FP8 / FP4 parameter gathers). 'auto': 'forward' when DDP overlaps the parameter all-gather,
     'none' otherwise. Both run the same arithmetic: the same bits."""
 
     # --- which parameters are Muon matrices -------------------------------------------------
