@@ -163,6 +163,13 @@ class MuonConfig(OptimizerConfig):
     ``muon_cpu_offload`` or FP8 / FP4 parameter gathers). 'auto': 'forward' when DDP overlaps the parameter all-gather,
     'none' otherwise. Both run the same arithmetic: the same bits."""
 
+    muon_step_overlap_side_stream: bool = True
+    """With ``muon_step_overlap`` 'forward' on CUDA: queue every pending chunk on a side
+    stream as soon as ``step()`` returns, in the order the last forward synced its bucket
+    groups, and have each bucket group's parameter sync wait for its chunks' event (True);
+    or run them on the forward's own stream from the parameter-sync hooks, as on the CPU
+    (False). The same bits either way."""
+
     # --- which parameters are Muon matrices -------------------------------------------------
     muon_split_qkv: bool = True
     """Orthogonalize a fused ``linear_qkv`` as separate Q, K and V matrices (Megatron's name)."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Type
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from .planner import Plan, plan_for_config, plan_statistics, rank_messages
 from .process_groups import build_ortho_group, subgroup
 from .qk_clip import QKClip
 from .state import OffloadedMasters, OwnerStates, ShardStates, init_adam_states, muon_states
-from .step_overlap import PendingStep
+from .step_overlap import PendingStep, side_stream
 from .storage import StorageBackend, storage_for
 from .timers import megatron_timer
 
@@ -265,21 +265,31 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
 
     # ------------------------------------------------------------------ the update
-    def muon_chunks(self, measure_updates: bool = False, momentum_now: bool = False) -> List[Iterator[None]]:
+    def muon_chunks(self, measure_updates: bool = False) -> List[Iterator[None]]:
         """This step's Muon chunks, each a generator for ``pipeline.drive`` (the state of
         the step is started here; :meth:`end_muon_step` ends it); ``measure_updates``: sum
-        the squares of the updates (the update RMS); ``momentum_now``: advance every
-        chunk's momentum here, so that the generators need no gradient (a pending step)."""
+        the squares of the updates (the update RMS)."""
+        per_param = self._begin_muon_step(measure_updates)
+        kept: dict = {}
+        return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
+
+    def pending_muon_chunks(self, measure_updates: bool = False) -> Tuple[List[Iterator[None]], List[torch.Tensor]]:
+        """This step's Muon chunks with every chunk's momentum advanced here, so that the
+        generators need no gradient (a pending step): the chunk exchanges, and the tensors
+        made here that they read (the orthogonalization inputs)."""
+        per_param = self._begin_muon_step(measure_updates)
+        kept: dict = {}
+        inputs = [advance_momentum(self.muon, msg, kept) for msg in self.muon.messages]
+        chunks = [chunk_exchange(self.muon, msg, x, per_param, kept) for msg, x in zip(self.muon.messages, inputs)]
+        return chunks, [t for x in inputs for t in x.values()] + list(kept.values())
+
+    def _begin_muon_step(self, measure_updates: bool) -> List[Tuple[float, float]]:
+        """Start the step's state; this step's (learning rate, weight decay) of every Muon param."""
         lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
-        per_param = [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
         self.muon.shard_states.begin()
         self.muon.measure_updates = measure_updates
         self.muon.update_square_sum, self.muon.update_numel = None, 0
-        kept: dict = {}
-        if not momentum_now:
-            return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
-        inputs = [advance_momentum(self.muon, msg, kept) for msg in self.muon.messages]
-        return [chunk_exchange(self.muon, msg, x, per_param, kept) for msg, x in zip(self.muon.messages, inputs)]
+        return [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
 
     def end_muon_step(self) -> None:
         self.muon.shard_states.finish()
@@ -335,7 +345,11 @@ def update(
     ``pending``, which the next forward's parameter sync drives."""
     config = optimizers[0].config
     with megatron_timer(config, "optimizer-inner-step"):
-        chunks = [opt.muon_chunks(measure_updates, momentum_now=pending is not None) for opt in optimizers]
+        if pending is None:
+            chunks = [opt.muon_chunks(measure_updates) for opt in optimizers]
+        else:
+            made = [opt.pending_muon_chunks(measure_updates) for opt in optimizers]
+            chunks, inputs = [c for c, _ in made], [t for _, ts in made for t in ts]
         if pending is None:
             if overlap_expert and len(chunks) > 1:
                 drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
@@ -356,7 +370,7 @@ def update(
                     else:
                         clips += opt.qk_clip.clip_factors()
     if pending is not None:
-        pending.begin(chunks, clips)
+        pending.begin(chunks, clips, inputs)
         return
     with megatron_timer(config, "optimizer-copy-main-to-model-params"), record_function("muon/copy_to_model"):
         for opt in optimizers:
@@ -375,7 +389,9 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     def __init__(self, chained_optimizers, step_overlap: str = "none") -> None:
         super().__init__(chained_optimizers)
-        self.pending: Optional[PendingStep] = PendingStep(self.muon_optimizers) if step_overlap == "forward" else None
+        self.pending: Optional[PendingStep] = None
+        if step_overlap == "forward":
+            self.pending = PendingStep(self.muon_optimizers, side_stream(self.config, self.dense.muon.device))
         """With ``muon_step_overlap='forward'``: what the last step left for the next forward."""
         self.num_steps = 0
         """Successful optimizer steps taken (saved in checkpoints)."""

@@ -116,14 +116,19 @@ def test_offload_copies_on_side_streams_match_the_device_run():
 
 
 def test_step_finished_in_the_next_forward_on_cuda_is_the_step():
-    """bf16 with --overlap-param-gather: --muon-step-overlap forward (the chunks finished in
-    DDP's forward pre-hooks on the GPU) logs the losses of none, to the last digit; with two
-    GPUs, at DP2 too (NCCL's all-to-alls inside the forward)."""
-    flags = ["--bf16", "--transformer-impl", "local", "--overlap-grad-reduce", "--overlap-param-gather"]
+    """bf16 with --overlap-param-gather, small buckets (the step spread over several bucket
+    groups): --muon-step-overlap forward logs the losses of none, to the last digit, both
+    on its side stream (queued as step() returns, each bucket group's sync waiting for its
+    event) and run from DDP's forward pre-hooks on the forward's stream; with two GPUs, at
+    DP2 too (NCCL's all-to-alls inside the forward)."""
+    flags = ["--bf16", "--transformer-impl", "local", "--overlap-grad-reduce", "--overlap-param-gather",
+             "--muon-buffer-layout", "megatron", "--ddp-bucket-size", "20000", "--muon-chunk-numel", "16384"]  # fmt: skip
     nprocs = (1, 2) if torch.cuda.device_count() >= 2 else (1,)
     for nproc in nprocs:
         none = _launch([*flags, "--muon-step-overlap", "none"], nproc=nproc)
         assert _launch([*flags, "--muon-step-overlap", "forward"], nproc=nproc) == none, nproc
+        hooks = [*flags, "--muon-step-overlap", "forward", "--no-muon-step-overlap-side-stream"]
+        assert _launch(hooks, nproc=nproc) == none, nproc
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

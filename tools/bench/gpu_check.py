@@ -60,6 +60,17 @@ MAIN_JOB_MODEL = [
 ]  # fmt: skip
 """The main job's model: tiny_gqa's recipe at the optimizer-step benchmark's ``medium`` size
 (8 layers, d2048, GQA 16/4 heads, SwiGLU 5632, 1024 tokens; two micro-batches a step)."""
+MAIN_JOB_RUNS = (
+    ("adam", "adam", ()),
+    ("muon", "muon", ("--muon-step-overlap", "none")),
+    ("muon, step in the forward, side stream", "muon", ("--muon-step-overlap", "forward")),
+    ("muon, step in the forward, hooks", "muon",
+     ("--muon-step-overlap", "forward", "--no-muon-step-overlap-side-stream")),
+)  # fmt: skip
+"""The main job's runs, one after another on the same model and tokens: (name, optimizer,
+flags). Every run overlaps DDP's gradient reduce and parameter all-gather, so Muon's
+``muon_step_overlap`` has its three places to run: whole inside ``step()``, queued on a
+side stream as ``step()`` returns, or from DDP's forward pre-hooks on the forward's stream."""
 MAIN_JOB_WARMUP = 5
 MAIN_JOB_TIMED = 50
 MEMORY = re.compile(r"max allocated: ([0-9.]+) \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
@@ -81,12 +92,12 @@ class Part:
 PARTS = (
     Part(
         "cuda_tier",
-        160,
+        170,
         "pytest tests/cuda: Newton–Schulz on CUDA vs float64, the main job GPU vs CPU, offload, step overlap",
     ),
-    Part("newton_schulz", 85, "Newton–Schulz TFLOP/s at the recipes' shapes, fraction of the measured bf16 peak"),
-    Part("optimizer_step", 120, "optimizer-step peers on one GPU: step time and optimizer memory"),
-    Part("main_job", 80, "tools/pretrain_gpt.py on one GPU, bf16: Muon vs AdamW iteration time"),
+    Part("newton_schulz", 70, "Newton–Schulz TFLOP/s at the recipes' shapes, fraction of the measured bf16 peak"),
+    Part("optimizer_step", 80, "optimizer-step peers on one GPU: step time and optimizer memory"),
+    Part("main_job", 150, "tools/pretrain_gpt.py on one GPU, bf16: AdamW vs Muon (step whole / in the forward)"),
 )
 
 
@@ -205,13 +216,15 @@ def optimizer_step(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> 
     return dict(status=status, model=data.get("model_description"), peers=peers)
 
 
-def main_job_command(optimizer: str, iterations: int) -> List[str]:
-    """One GPU, bf16: the main job on :data:`MAIN_JOB_MODEL` with ``optimizer``."""
+def main_job_command(optimizer: str, iterations: int, flags: Sequence[str] = ()) -> List[str]:
+    """One GPU, bf16: the main job on :data:`MAIN_JOB_MODEL` with ``optimizer``, DDP's
+    gradient reduce and parameter all-gather overlapped."""
     return [sys.executable, "tools/pretrain_gpt.py", "--recipe", "tiny_gqa", *MAIN_JOB_MODEL, "--bf16",
             "--optimizer", optimizer, *(["--lr", "0.02", "--min-lr", "0.002"] if optimizer == "muon" else
                                         ["--lr", "3e-4", "--min-lr", "3e-5"]),
+            "--overlap-grad-reduce", "--overlap-param-gather",
             "--train-iters", str(iterations), "--lr-warmup-iters", "0", "--eval-iters", "0",
-            "--log-interval", "1"]  # fmt: skip
+            "--log-interval", "1", *flags]  # fmt: skip
 
 
 def read_iterations(text: str) -> Dict[str, Any]:
@@ -233,8 +246,8 @@ def read_iterations(text: str) -> Dict[str, Any]:
 
 
 def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[str, Any]:
-    """AdamW then Muon, the same model and tokens; the box is shared, each run gets what is
-    left of it. Megatron's start-up compiles its fused bias-activation functions with
+    """AdamW, then Muon with its step whole and in the next forward (:data:`MAIN_JOB_RUNS`),
+    the same model and tokens; the box is shared, each run gets what is left of it. Megatron's start-up compiles its fused bias-activation functions with
     torch.compile in every process (tens of seconds, the same for both optimizers):
     dynamo is off here, so both runs use its eager functions."""
     env = dict(env, TORCHDYNAMO_DISABLE="1")
@@ -242,19 +255,20 @@ def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[s
     deadline = time.monotonic() + box_s
     runs: Dict[str, Any] = {}
     status = "passed"
-    for optimizer in ("adam", "muon"):
-        part_log = work / f"main_job_{optimizer}.log"
-        rc = run_boxed(main_job_command(optimizer, iterations), deadline - time.monotonic(), part_log, env)
+    for position, (name, optimizer, flags) in enumerate(MAIN_JOB_RUNS):
+        part_log = work / f"main_job_{position}_{optimizer}.log"
+        rc = run_boxed(main_job_command(optimizer, iterations, flags), deadline - time.monotonic(), part_log, env)
         text = part_log.read_text(errors="replace")
         _append(log, text)
         seen = read_iterations(text)
         timed = [ms for i, ms in seen["ms"].items() if i > MAIN_JOB_WARMUP]
         losses = seen["loss"]
-        runs[optimizer] = dict(
+        runs[name] = dict(
             rc=rc,
             iterations=len(seen["ms"]),
             median_ms=common.median(timed) if timed else None,
             timed_iterations=len(timed),
+            losses=list(losses.values()),
             first_loss=losses.get(1),
             last_loss=losses[max(losses)] if losses else None,
             max_allocated_mb=seen["max_allocated_mb"],
@@ -265,11 +279,18 @@ def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[s
             break
         falls = bool(losses) and losses[max(losses)] < losses[min(losses)]
         if rc != 0 or len(seen["ms"]) != iterations or not falls:
-            runs[optimizer]["failure_text"] = text[-4000:]
+            runs[name]["failure_text"] = text[-4000:]
             status = "failed"
     a, m = runs.get("adam", {}).get("median_ms"), runs.get("muon", {}).get("median_ms")
+    # The step in the forward runs the same arithmetic: Muon's runs log the same losses.
+    muon_losses = [r["losses"] for n, r in runs.items() if n.startswith("muon")]
+    same = all(losses == muon_losses[0] for losses in muon_losses)
+    if not same:
+        status = "failed"
+    overlap = {n: r["median_ms"] / m for n, r in runs.items() if n.startswith("muon, ") and m and r["median_ms"]}
     return dict(status=status, model=" ".join(MAIN_JOB_MODEL), warmup=MAIN_JOB_WARMUP, runs=runs,
-                muon_over_adamw=m / a if a and m else None)  # fmt: skip
+                muon_over_adamw=m / a if a and m else None, step_overlap_same_losses=same,
+                step_overlap_over_muon=overlap)  # fmt: skip
 
 
 def _append(log: Path, text: str) -> None:
@@ -406,6 +427,11 @@ def markdown(data: Dict[str, Any]) -> str:
                                     r["max_allocated_mb"]] for o, r in job["runs"].items()])]  # fmt: skip
         if job.get("muon_over_adamw"):
             lines += ["", f"Muon / AdamW iteration time: {job['muon_over_adamw']:.3f}"]
+        for name, ratio in job.get("step_overlap_over_muon", {}).items():
+            lines += ["", f"{name} / muon (step whole) iteration time: {ratio:.3f}"]
+        if "step_overlap_same_losses" in job:
+            same = "the same" if job["step_overlap_same_losses"] else "DIFFERENT"
+            lines += ["", f"Muon's runs logged {same} losses at every iteration."]
     return "\n".join(lines) + "\n"
 
 
