@@ -163,12 +163,13 @@ class MuonConfig(OptimizerConfig):
     ``muon_cpu_offload`` or FP8 / FP4 parameter gathers). 'auto': 'forward' when DDP overlaps the parameter all-gather,
     'none' otherwise. Both run the same arithmetic: the same bits."""
 
-    muon_step_overlap_side_stream: bool = True
+    muon_step_overlap_side_stream: bool = False
     """With ``muon_step_overlap`` 'forward' on CUDA: queue every pending chunk on a side
     stream as soon as ``step()`` returns, in the order the last forward synced its bucket
-    groups, and have each bucket group's parameter sync wait for its chunks' event (True);
-    or run them on the forward's own stream from the parameter-sync hooks, as on the CPU
-    (False). The same bits either way."""
+    groups, each bucket group's parameter sync waiting for its chunks' event (True); or run
+    them on the forward's own stream from the parameter-sync hooks, as on the CPU (False).
+    The same bits either way. Off by default: on one H200 the side stream was no faster
+    than the step whole, the hooks were (docs/benchmarks.md, "The GPU check")."""
 
     # --- which parameters are Muon matrices -------------------------------------------------
     muon_split_qkv: bool = True

@@ -18,14 +18,14 @@ forced syncs before evaluation, checkpointing and shutdown. So:
 A chunk does here exactly what it does inside ``step()`` with 'none', on the same inputs:
 the parameters come out the same bits. Where the chunks run:
 
-- on the CPU (and on CUDA with ``muon_step_overlap_side_stream=False``): inside
-  ``finish``, on the forward's own stream, so what hides is their communication and the
-  wait for it;
-- on CUDA, by default, on a side stream: ``step()`` queues every unit's chunks, QK-Clip and
-  copy there as it returns, unit by unit in the order the last forward synced them, each
-  unit ending in an event; ``finish`` then only makes the forward's stream wait for that
-  event. Newton–Schulz can then run beside the forward's kernels, and a unit's wait covers
-  only its own work. Every rank queues the same chunks in the same order, so the
+- by default, and always on the CPU: inside ``finish``, on the forward's own stream, so
+  what hides is their communication, the wait for it, and the host's time launching
+  their kernels;
+- on CUDA with ``muon_step_overlap_side_stream``: on a side stream. ``step()`` queues
+  every unit's chunks, QK-Clip and copy there as it returns, unit by unit in the order the
+  last forward synced them, each unit ending in an event; ``finish`` then only makes the
+  forward's stream wait for that event. Newton–Schulz can then run beside the forward's
+  kernels. Every rank queues the same chunks in the same order, so the
   all-to-alls pair up as they do in ``step()``.
 """
 

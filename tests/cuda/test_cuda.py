@@ -126,9 +126,8 @@ def test_step_finished_in_the_next_forward_on_cuda_is_the_step():
     nprocs = (1, 2) if torch.cuda.device_count() >= 2 else (1,)
     for nproc in nprocs:
         none = _launch([*flags, "--muon-step-overlap", "none"], nproc=nproc)
-        assert _launch([*flags, "--muon-step-overlap", "forward"], nproc=nproc) == none, nproc
-        hooks = [*flags, "--muon-step-overlap", "forward", "--no-muon-step-overlap-side-stream"]
-        assert _launch(hooks, nproc=nproc) == none, nproc
+        for stream in ("--muon-step-overlap-side-stream", "--no-muon-step-overlap-side-stream"):
+            assert _launch([*flags, "--muon-step-overlap", "forward", stream], nproc=nproc) == none, (nproc, stream)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -60,19 +60,21 @@ MAIN_JOB_MODEL = [
 ]  # fmt: skip
 """The main job's model: tiny_gqa's recipe at the optimizer-step benchmark's ``medium`` size
 (8 layers, d2048, GQA 16/4 heads, SwiGLU 5632, 1024 tokens; two micro-batches a step)."""
-MAIN_JOB_RUNS = (
-    ("adam", "adam", ()),
-    ("muon", "muon", ("--muon-step-overlap", "none")),
-    ("muon, step in the forward, side stream", "muon", ("--muon-step-overlap", "forward")),
-    ("muon, step in the forward, hooks", "muon",
-     ("--muon-step-overlap", "forward", "--no-muon-step-overlap-side-stream")),
-)  # fmt: skip
+MUON_MODES = (
+    ("muon", ("--muon-step-overlap", "none")),
+    ("muon, step in the forward", ("--muon-step-overlap", "forward", "--no-muon-step-overlap-side-stream")),
+    ("muon, step in the forward, side stream", ("--muon-step-overlap", "forward", "--muon-step-overlap-side-stream")),
+)
+"""Muon's three places for its step: whole inside ``step()``; from DDP's forward pre-hooks
+on the forward's stream; queued on a side stream as ``step()`` returns."""
+MAIN_JOB_RUNS = (("adam", "adam", ()), *((n, "muon", f) for n, f in MUON_MODES),
+                 *((n, "muon", f) for n, f in reversed(MUON_MODES)))  # fmt: skip
 """The main job's runs, one after another on the same model and tokens: (name, optimizer,
-flags). Every run overlaps DDP's gradient reduce and parameter all-gather, so Muon's
-``muon_step_overlap`` has its three places to run: whole inside ``step()``, queued on a
-side stream as ``step()`` returns, or from DDP's forward pre-hooks on the forward's stream."""
+flags). Every run overlaps DDP's gradient reduce and parameter all-gather. Muon's modes run
+twice, in the order A B C C B A, so that a drift of the machine over the part weighs on
+each mode alike; a mode's time is the mean of its two runs' medians."""
 MAIN_JOB_WARMUP = 5
-MAIN_JOB_TIMED = 50
+MAIN_JOB_TIMED = 30
 MEMORY = re.compile(r"max allocated: ([0-9.]+) \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
 OUTCOMES = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
 PYTEST_RESULT = re.compile(rf"(?:^(tests/cuda/\S+) ({OUTCOMES})\b)|(?:\b({OUTCOMES}) (tests/cuda/\S+))", re.MULTILINE)
@@ -92,12 +94,12 @@ class Part:
 PARTS = (
     Part(
         "cuda_tier",
-        170,
+        125,
         "pytest tests/cuda: Newton–Schulz on CUDA vs float64, the main job GPU vs CPU, offload, step overlap",
     ),
     Part("newton_schulz", 70, "Newton–Schulz TFLOP/s at the recipes' shapes, fraction of the measured bf16 peak"),
     Part("optimizer_step", 80, "optimizer-step peers on one GPU: step time and optimizer memory"),
-    Part("main_job", 150, "tools/pretrain_gpt.py on one GPU, bf16: AdamW vs Muon (step whole / in the forward)"),
+    Part("main_job", 200, "tools/pretrain_gpt.py on one GPU, bf16: AdamW vs Muon (step whole / in the forward)"),
 )
 
 
@@ -246,14 +248,14 @@ def read_iterations(text: str) -> Dict[str, Any]:
 
 
 def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[str, Any]:
-    """AdamW, then Muon with its step whole and in the next forward (:data:`MAIN_JOB_RUNS`),
-    the same model and tokens; the box is shared, each run gets what is left of it. Megatron's start-up compiles its fused bias-activation functions with
-    torch.compile in every process (tens of seconds, the same for both optimizers):
-    dynamo is off here, so both runs use its eager functions."""
+    """:data:`MAIN_JOB_RUNS` on the same model and tokens; the box is shared, each run gets
+    what is left of it. Megatron's start-up compiles its fused bias-activation functions
+    with torch.compile in every process (tens of seconds, the same for every run): dynamo
+    is off here, so every run uses its eager functions."""
     env = dict(env, TORCHDYNAMO_DISABLE="1")
     iterations = MAIN_JOB_WARMUP + MAIN_JOB_TIMED
     deadline = time.monotonic() + box_s
-    runs: Dict[str, Any] = {}
+    runs: List[Dict[str, Any]] = []
     status = "passed"
     for position, (name, optimizer, flags) in enumerate(MAIN_JOB_RUNS):
         part_log = work / f"main_job_{position}_{optimizer}.log"
@@ -263,34 +265,38 @@ def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[s
         seen = read_iterations(text)
         timed = [ms for i, ms in seen["ms"].items() if i > MAIN_JOB_WARMUP]
         losses = seen["loss"]
-        runs[name] = dict(
+        runs.append(dict(
+            name=name,
             rc=rc,
             iterations=len(seen["ms"]),
             median_ms=common.median(timed) if timed else None,
             timed_iterations=len(timed),
-            losses=list(losses.values()),
+            losses=[losses[i] for i in sorted(losses)],
             first_loss=losses.get(1),
             last_loss=losses[max(losses)] if losses else None,
             max_allocated_mb=seen["max_allocated_mb"],
             max_reserved_mb=seen["max_reserved_mb"],
-        )
+        ))  # fmt: skip
         if rc is None:
             status = "timed_out"
             break
         falls = bool(losses) and losses[max(losses)] < losses[min(losses)]
         if rc != 0 or len(seen["ms"]) != iterations or not falls:
-            runs[name]["failure_text"] = text[-4000:]
+            runs[-1]["failure_text"] = text[-4000:]
             status = "failed"
-    a, m = runs.get("adam", {}).get("median_ms"), runs.get("muon", {}).get("median_ms")
-    # The step in the forward runs the same arithmetic: Muon's runs log the same losses.
-    muon_losses = [r["losses"] for n, r in runs.items() if n.startswith("muon")]
-    same = all(losses == muon_losses[0] for losses in muon_losses)
+    # Every mode of Muon runs the same arithmetic: the same losses, as far as each run got.
+    muon = [r["losses"] for r in runs if r["name"] != "adam"]
+    same = all(losses == muon[0][: len(losses)] or muon[0] == losses[: len(muon[0])] for losses in muon)
     if not same:
         status = "failed"
-    overlap = {n: r["median_ms"] / m for n, r in runs.items() if n.startswith("muon, ") and m and r["median_ms"]}
-    return dict(status=status, model=" ".join(MAIN_JOB_MODEL), warmup=MAIN_JOB_WARMUP, runs=runs,
-                muon_over_adamw=m / a if a and m else None, step_overlap_same_losses=same,
-                step_overlap_over_muon=overlap)  # fmt: skip
+    mean_ms = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        timed = [r["median_ms"] for r in runs if r["name"] == name and r["timed_iterations"] == MAIN_JOB_TIMED]
+        mean_ms[name] = sum(timed) / len(timed) if timed else None
+    whole, adam = mean_ms.get("muon"), mean_ms.get("adam")
+    return dict(status=status, model=" ".join(MAIN_JOB_MODEL), warmup=MAIN_JOB_WARMUP, runs=runs, mean_ms=mean_ms,
+                muon_over_adamw=whole / adam if whole and adam else None, muon_losses_same=same,
+                over_step_whole={n: ms / whole for n, ms in mean_ms.items() if n.startswith("muon, ") and ms and whole})  # fmt: skip
 
 
 def _append(log: Path, text: str) -> None:
@@ -419,19 +425,19 @@ def markdown(data: Dict[str, Any]) -> str:
                                    for r in step["peers"].values()])]  # fmt: skip
     job = parts.get("main_job", {})
     if job.get("runs"):
+        runs = job["runs"] if isinstance(job["runs"], list) else [dict(r, name=n) for n, r in job["runs"].items()]
         lines += ["", f"**Main job on one GPU, bf16** (tiny_gqa's recipe with {job['model']}; median of the "
-                      f"iterations after {job['warmup']})", "",
-                  common.md_table(["optimizer", "iterations", "median ms / iteration", "loss first -> last",
+                      f"iterations after {job['warmup']}, runs in the order listed)", "",
+                  common.md_table(["run", "iterations", "median ms / iteration", "loss first -> last",
                                    "max allocated MiB"],
-                                  [[o, r["iterations"], r["median_ms"], f"{r['first_loss']} -> {r['last_loss']}",
-                                    r["max_allocated_mb"]] for o, r in job["runs"].items()])]  # fmt: skip
+                                  [[r["name"], r["iterations"], r["median_ms"], f"{r['first_loss']} -> {r['last_loss']}",
+                                    r["max_allocated_mb"]] for r in runs])]  # fmt: skip
         if job.get("muon_over_adamw"):
             lines += ["", f"Muon / AdamW iteration time: {job['muon_over_adamw']:.3f}"]
-        for name, ratio in job.get("step_overlap_over_muon", {}).items():
-            lines += ["", f"{name} / muon (step whole) iteration time: {ratio:.3f}"]
-        if "step_overlap_same_losses" in job:
-            same = "the same" if job["step_overlap_same_losses"] else "DIFFERENT"
-            lines += ["", f"Muon's runs logged {same} losses at every iteration."]
+        for name, ratio in job.get("over_step_whole", {}).items():
+            lines += ["", f"{name} / muon (step whole), iteration time, mean of its runs: {ratio:.3f}"]
+        if "muon_losses_same" in job:
+            lines += ["", f"Muon's runs logged {'the same' if job['muon_losses_same'] else 'DIFFERENT'} losses."]
     return "\n".join(lines) + "\n"
 
 
