@@ -17,6 +17,10 @@ the arguments with our layer spec (:func:`megatron_muon.megatron_lm.layer_spec.m
 import os
 
 LAUNCHER_PID = os.getppid()  # first: the process that started this one (a rank ties itself to it)
+if "RANK" in os.environ:  # a launcher's rank ends with it, even while the imports below run (seconds)
+    from megatron_muon.megatron_lm.process_lifetime import tie_to_launcher
+
+    tie_to_launcher(LAUNCHER_PID)
 
 import argparse  # noqa: E402
 import sys  # noqa: E402

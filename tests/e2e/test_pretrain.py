@@ -776,6 +776,50 @@ def test_a_skipped_step_leaves_the_router_expert_bias(cache, tmp_path):
     assert biases[0] and biases[1] == biases[2], biases
 
 
+def test_a_launcher_killed_while_its_ranks_import_leaves_no_rank(tmp_path):
+    """SIGKILL of torchrun once both ranks have started, while they still import torch and
+    Megatron-core (seconds): within 2 s no rank is left, since each ties itself to its
+    launcher before those imports."""
+    import signal
+    import time
+
+    tag = f"kill-at-start-{os.getpid()}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="", MUON_TEST_JOB=tag)
+    cmd = TWO_RANKS + ["--recipe", "tiny_gqa", "--train-iters", "2", "--save", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+
+    def ranks() -> List[int]:
+        found = []
+        for pid in tagged_processes(tag):
+            try:
+                if any(v.startswith(b"RANK=") for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                    found.append(pid)
+            except OSError:  # it ended meanwhile
+                continue
+        return found
+
+    try:
+        deadline = time.time() + 60
+        while len(ranks()) < 2:
+            assert proc.poll() is None and time.time() < deadline, "the ranks did not start"
+            time.sleep(0.02)
+        time.sleep(0.3)  # inside the imports
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 2
+        while ranks() and time.time() < deadline:
+            time.sleep(0.05)
+        assert not ranks(), "ranks still running 2 s after their launcher was killed"
+        assert not (tmp_path / "ckpt").exists()  # killed before they got to --save
+    finally:
+        for pid in tagged_processes(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int, kill: str) -> List[int]:
     """Start ``cmd`` (torchrun, in a session of its own as a terminal or a scheduler starts
     it); once the tracker names iteration ``after`` or later, SIGKILL at a random moment
