@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.helpers import REPO, wandb_offline
-from tests.helpers.jobs import PRETRAIN, TWO_RANKS, job_env, launch, losses, run, tagged_processes
+from tests.helpers.jobs import PRETRAIN, TWO_RANKS, job_env, kill_tagged, launch, losses, run, tagged_processes
 
 ROOT = REPO
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
@@ -804,7 +804,7 @@ def test_a_launcher_killed_while_its_ranks_import_leaves_no_rank(tmp_path):
         while len(ranks()) < 2:
             assert proc.poll() is None and time.time() < deadline, "the ranks did not start"
             time.sleep(0.02)
-        time.sleep(0.3)  # inside the imports
+        time.sleep(1.0)  # past the script's first lines, inside the imports (seconds more)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.time() + 2
@@ -813,11 +813,7 @@ def test_a_launcher_killed_while_its_ranks_import_leaves_no_rank(tmp_path):
         assert not ranks(), "ranks still running 2 s after their launcher was killed"
         assert not (tmp_path / "ckpt").exists()  # killed before they got to --save
     finally:
-        for pid in tagged_processes(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tagged(tag)
 
 
 def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int, kill: str) -> List[int]:
@@ -847,11 +843,7 @@ def _kill_during_saves(cmd: List[str], tracker: Path, tag: str, after: int, kill
             time.sleep(0.2)
         return tagged_processes(tag)
     finally:
-        for pid in tagged_processes(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tagged(tag)
 
 
 @pytest.mark.timeout(600)

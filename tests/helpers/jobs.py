@@ -3,8 +3,10 @@ finding what a job left running: shared by the e2e modules."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -55,3 +57,10 @@ def tagged_processes(tag: str) -> List[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL whatever of a tagged job is still running (a test's clean-up)."""
+    for pid in tagged_processes(tag):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
