@@ -168,8 +168,9 @@ class MuonConfig(OptimizerConfig):
     stream as soon as ``step()`` returns, in the order the last forward synced its bucket
     groups, each bucket group's parameter sync waiting for its chunks' event (True); or run
     them on the forward's own stream from the parameter-sync hooks, as on the CPU (False).
-    The same bits either way. Off by default: on one H200 the side stream was no faster
-    than the step whole, the hooks were (docs/benchmarks.md, "The GPU check")."""
+    The same bits either way; on the CPU (no streams) the hooks run it. Off by default: on
+    one H200 the side stream was no faster than the step whole, the hooks were
+    (docs/benchmarks.md, "The GPU check"). Refused with ``muon_step_overlap='none'``."""
 
     # --- which parameters are Muon matrices -------------------------------------------------
     muon_split_qkv: bool = True
@@ -328,6 +329,12 @@ def config_problems(cfg: MuonConfig):
         yield (
             "muon_step_overlap='forward' cannot run with muon_cpu_offload=True: the pending chunks would hold "
             "their offloaded momentum on the device through the forward; set muon_step_overlap='none' (or 'auto')."
+        )
+    if cfg.muon_step_overlap_side_stream and cfg.muon_step_overlap == "none":
+        yield (
+            "muon_step_overlap_side_stream=True needs the step in the next forward, but muon_step_overlap='none' "
+            "runs it whole inside step(); set muon_step_overlap='forward' (or 'auto' with DDP's overlap_param_gather), "
+            "or drop the side stream."
         )
     if cfg.muon_param_filter is not None and not callable(cfg.muon_param_filter):
         yield f"muon_param_filter={cfg.muon_param_filter!r} is not callable; use a function (name, param) -> bool."

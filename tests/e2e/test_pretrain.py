@@ -550,6 +550,10 @@ BAD_INPUT = [
     (["--recipe", "tiny_gqa", "--muon-step-overlap", "forward"], "needs --overlap-param-gather"),
     (["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-step-overlap", "forward"], "not on Megatron-FSDP"),
     (["--recipe", "tiny_gqa", "--muon-step-overlap", "later"], "muon_step_overlap='later' is not supported"),
+    (
+        ["--recipe", "tiny_gqa", "--muon-step-overlap", "none", "--muon-step-overlap-side-stream"],
+        "muon_step_overlap_side_stream=True needs the step in the next forward",
+    ),
     # optional packages Megatron-LM imports only once it runs (tests.helpers.bad_input hides them)
     (
         ["--recipe", "tiny_gqa", "--wandb-project", "p", "--wandb-save-dir", "w", "--tensorboard-dir", "t"],
