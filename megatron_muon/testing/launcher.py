@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -164,6 +165,36 @@ def _stacks(outdir: str, ranks: List[int]) -> str:
     return "\n".join(parts)
 
 
+def _collect(outdir: str, world_size: int, results: dict) -> None:
+    """Read every rank's result file that has appeared since the last call."""
+    for rank in range(world_size):
+        path = os.path.join(outdir, f"rank{rank}")
+        if rank not in results and os.path.exists(path):
+            results[rank] = torch.load(path, weights_only=False)
+
+
+def _dead_without_result(procs: List[Any], outdir: str, results: dict) -> List[int]:
+    return [
+        r
+        for r, p in enumerate(procs)
+        if r not in results and not p.is_alive() and not os.path.exists(os.path.join(outdir, f"rank{r}"))
+    ]
+
+
+def _failure_report(procs: List[Any], outdir: str, results: dict, world_size: int) -> str:
+    """Ranks that died without a result first (a signal is the likely root cause: its
+    peers then fail on reset connections), then every rank's reported error."""
+    lines = []
+    for r in _dead_without_result(procs, outdir, results):
+        code = procs[r].exitcode
+        how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+        lines.append(f"rank {r} of {world_size} died ({how}) without reporting a result")
+    for r in sorted(results):
+        if not results[r]["ok"]:
+            lines.append(f"rank {r} of {world_size} failed:\n{results[r]['error']}")
+    return "\n".join(lines)
+
+
 def run_distributed(
     fn: Callable,
     world_size: int,
@@ -214,22 +245,16 @@ def run_distributed(
         results: dict[int, dict] = {}
         try:
             while len(results) < world_size:
-                for rank in range(world_size):
-                    path = os.path.join(outdir, f"rank{rank}")
-                    if rank not in results and os.path.exists(path):
-                        results[rank] = torch.load(path, weights_only=False)
-                        if not results[rank]["ok"]:
-                            raise DistributedTestError(f"rank {rank} of {world_size} failed:\n{results[rank]['error']}")
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if r not in results and not p.is_alive() and not os.path.exists(os.path.join(outdir, f"rank{r}"))
-                ]
-                if dead:
-                    raise DistributedTestError(
-                        f"rank(s) {dead} exited with code "
-                        f"{[procs[r].exitcode for r in dead]} without reporting a result"
-                    )
+                _collect(outdir, world_size, results)
+                failed = any(not r["ok"] for r in results.values())
+                if failed or _dead_without_result(procs, outdir, results):
+                    # The first error seen is often a consequence (a peer's crash resets its
+                    # connections): let the others report or die, then name them all.
+                    settle = time.monotonic() + 5
+                    while any(p.is_alive() for p in procs) and time.monotonic() < settle:
+                        time.sleep(0.05)
+                    _collect(outdir, world_size, results)
+                    raise DistributedTestError(_failure_report(procs, outdir, results, world_size))
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(world_size)) - set(results))
                     raise TimeoutError(

@@ -71,9 +71,7 @@ def _expert_grads(chunks: List[torch.nn.Module]) -> Dict[tuple, torch.Tensor]:
     return out
 
 
-def _train(
-    spec_kwargs: Dict[str, Any], layouts: Sequence[str] = ("sequential",)
-) -> Dict[str, dict]:
+def _train(spec_kwargs: Dict[str, Any], layouts: Sequence[str] = ("sequential",)) -> Dict[str, dict]:
     """For each expert layout: canonical init, gradients of the first batch, then STEPS
     AdamW steps. Returns per layout the losses, the first-batch expert gradients, the
     canonical state after training and the parameter names."""
@@ -153,6 +151,18 @@ def _raise_on_last_rank() -> int:
     return rank
 
 
+def _die_by_signal_on_last_rank() -> int:
+    """The last rank is killed by a signal (a crash in native code looks like this); the
+    others then fail in their next collective, on a reset connection."""
+    import os
+    import signal
+
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    torch.distributed.barrier()
+    return 0
+
+
 # ---------------------------------------------------------------------------------------
 # Comparisons
 # ---------------------------------------------------------------------------------------
@@ -171,9 +181,7 @@ def _assert_losses_close(losses: List[float], ref: List[float], what: str) -> No
         assert abs(a - b) <= LOSS_RTOL * abs(b), f"{what}: step {step} loss {a} vs {b}"
 
 
-def _assert_states_close(
-    full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], what: str
-) -> None:
+def _assert_states_close(full: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor], what: str) -> None:
     assert full.keys() == ref.keys(), f"{what}: keys differ: {sorted(set(full) ^ set(ref))}"
     for key in ref:
         assert full[key].shape == ref[key].shape, f"{what}: {key} shape"
@@ -184,9 +192,7 @@ def _assert_states_close(
         assert rel <= PARAM_FRO_RTOL, f"{what}: {key} differs by {rel:.2e} (relative Frobenius)"
 
 
-def _assert_run_matches(
-    per_rank: List[Dict[str, dict]], ref: Dict[str, Any], layout: str, what: str
-) -> None:
+def _assert_run_matches(per_rank: List[Dict[str, dict]], ref: Dict[str, Any], layout: str, what: str) -> None:
     """One layout of a spawned run against the one-rank reference run ``ref``."""
     results = [r[layout] for r in per_rank]
     assert all(r["ok"] for r in results), f"{what}: an optimizer step was skipped"
@@ -205,7 +211,10 @@ def _assert_expert_layouts_match(per_rank: List[Dict[str, dict]], what: str) -> 
             assert other["grads"].keys() == seq["grads"].keys() and seq["grads"], (rank, layout)
             for key, g in seq["grads"].items():
                 torch.testing.assert_close(
-                    other["grads"][key], g, rtol=1e-5, atol=1e-8,
+                    other["grads"][key],
+                    g,
+                    rtol=1e-5,
+                    atol=1e-8,
                     msg=lambda m: f"{what} {layout} {key}: {m}",
                 )
             # Same numbers, so only summation order can differ (legacy: x @ W vs F.linear).
@@ -332,6 +341,16 @@ def test_raising_rank_reports_its_traceback():
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_is_named_before_its_peers_errors():
+    """The crashed rank is the root cause and is named first, with its signal; the peers'
+    errors (a reset connection) follow."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_die_by_signal_on_last_rank, 2, timeout_s=90)
+    text = str(info.value)
+    assert text.startswith("rank 1 of 2 died (signal SIGKILL) without reporting a result"), text[:500]
+
+
+@pytest.mark.timeout(120)
 def test_ranks_see_the_callers_environment_now(monkeypatch):
     """Ranks fork from a long-lived forkserver; each must still get the caller's current
     environment (as a spawned rank would) and its own patches, and a second run must too."""
@@ -363,7 +382,5 @@ _IMPORT_PROBE = textwrap.dedent(
 
 @pytest.mark.timeout(120)
 def test_import_has_no_side_effects():
-    proc = subprocess.run(
-        [sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True, timeout=110
-    )
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE], capture_output=True, text=True, timeout=110)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("clean"), proc.stderr[-3000:]
