@@ -347,18 +347,17 @@ def update(
     with megatron_timer(config, "optimizer-inner-step"):
         if pending is None:
             chunks = [opt.muon_chunks(measure_updates) for opt in optimizers]
-        else:
-            made = [opt.pending_muon_chunks(measure_updates) for opt in optimizers]
-            chunks, inputs = [c for c, _ in made], [t for _, ts in made for t in ts]
-        if pending is None:
             if overlap_expert and len(chunks) > 1:
                 drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
             else:
                 for chunk_list in chunks:
                     drive(chunk_list, config.muon_max_inflight_chunks)
-        for opt in optimizers:
-            if pending is None:
+            for opt in optimizers:
                 opt.end_muon_step()
+        else:
+            made = [opt.pending_muon_chunks(measure_updates) for opt in optimizers]
+            chunks, inputs = [c for c, _ in made], [t for _, ts in made for t in ts]
+        for opt in optimizers:
             with record_function("muon/adamw"):
                 opt.optimizer.step()  # AdamW on the scalar parameters
         clips = []
