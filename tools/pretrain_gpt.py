@@ -191,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.training import pretrain
 
-    args = prepare(argv, launcher_pid=LAUNCHER_PID)
+    args = prepare(argv)
     config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
     with checkpoint_errors_as_one_line():
         pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)

@@ -583,18 +583,16 @@ def install_argument_layers() -> None:
     install_launch_validation()
 
 
-def prepare(argv: Optional[Sequence[str]] = None, launcher_pid: Optional[int] = None) -> argparse.Namespace:
-    """Everything before ``pretrain()``: this rank tied to its launcher (``launcher_pid``, the
-    parent it started with, when a launcher set ``RANK``) and its child processes to it
-    (``process_lifetime``), the CPU patches where there is no GPU, a one-process rendezvous
-    for a plain ``python`` launch, our argument layers, then Megatron-LM's parsed and
-    validated arguments (set as its global arguments, as ``parse_and_validate_args`` does)
-    and this job's lock on ``--save``."""
-    from .process_lifetime import tie_forked_children_to_this_process, tie_to_launcher
+def prepare(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Everything before ``pretrain()``: this rank's child processes tied to it
+    (``process_lifetime``; the rank ties itself to its launcher in the script's first lines,
+    before any heavy import), the CPU patches where there is no GPU, a one-process
+    rendezvous for a plain ``python`` launch, our argument layers, then Megatron-LM's parsed
+    and validated arguments (set as its global arguments, as ``parse_and_validate_args``
+    does) and this job's lock on ``--save``."""
+    from .process_lifetime import tie_forked_children_to_this_process
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if launcher_pid is not None and "RANK" in os.environ:
-        tie_to_launcher(launcher_pid)  # a killed torchrun leaves no rank training
     tie_forked_children_to_this_process()  # checkpoint writers and data workers end with their rank
     cpu.install()
     if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: one process, no launcher
