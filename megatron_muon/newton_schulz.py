@@ -36,6 +36,7 @@ __all__ = [
     "GRAM_RESTART_STEPS",
     "NS_METHODS",
     "choose_method",
+    "gram_dtype",
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_coefficients",
@@ -186,12 +187,16 @@ def _normalised_wide(G: torch.Tensor, compute_dtype: torch.dtype, eps: float) ->
     X = G.mT if tall else G
     # The norm is taken in fp32: a bf16 sum of squares over a large matrix loses digits,
     # and an underestimated norm would push singular values above 1, where p() diverges.
-    X = X.float()
-    return (X / (torch.linalg.matrix_norm(X, keepdim=True) + eps)).to(compute_dtype), tall
+    # Both ops read a 16-bit G as it is and compute in fp32 (the division stores straight
+    # into compute_dtype): the bits of normalising an fp32 copy, without the copy.
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(X.dtype, torch.float32))
+    # empty_like keeps a tall G's transposed strides: the products below read X in the
+    # memory order they always have (another order sums in another order).
+    return torch.div(X, norm + eps, out=torch.empty_like(X, dtype=compute_dtype)), tall
 
 
 def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
-    """The standard iteration on ``X`` itself."""
+    """The standard iteration on ``X`` itself; the result in ``compute_dtype``."""
     X, tall = _normalised_wide(G, compute_dtype, eps)
     # The triples are Python floats fixed for a given config: torch.compile bakes them
     # into the graph once instead of taking them as inputs (nothing here varies per
@@ -203,15 +208,14 @@ def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: tor
         A = X @ X.mT
         B = fma(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
         X = fma(X, B, X, beta=a)  # a*X + B@X
-    if tall:
-        X = X.mT
-    return X.to(G.dtype)
+    return X.mT if tall else X
 
 
 def _gram_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
     """Gram Newton–Schulz: iterate on ``R = X X^T`` and the accumulated ``Q`` (module
-    docstring), restarting every :data:`GRAM_RESTART_STEPS` steps."""
-    dtype = torch.float32 if compute_dtype == torch.float32 else torch.float16
+    docstring), restarting every :data:`GRAM_RESTART_STEPS` steps; the result in
+    :func:`gram_dtype`."""
+    dtype = gram_dtype(compute_dtype)
     X, tall = _normalised_wide(G, dtype, eps)
     fma = torch.baddbmm if X.ndim == 3 else torch.addmm
     for start in range(0, len(schedule), GRAM_RESTART_STEPS):
@@ -231,9 +235,12 @@ def _gram_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: t
                 PR = fma(R, Z, R, beta=a)  # P R
                 R = fma(PR, PR, Z, beta=a)  # P R P
         X = Q @ X
-    if tall:
-        X = X.mT
-    return X.to(G.dtype)
+    return X.mT if tall else X
+
+
+def gram_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype Gram NS computes in: fp32, or fp16 for any 16-bit ``compute_dtype``."""
+    return torch.float32 if compute_dtype == torch.float32 else torch.float16
 
 
 _KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"standard": _ns_kernel, "gram": _gram_kernel}
@@ -264,6 +271,7 @@ def newton_schulz(
     eps: float = 1e-7,
     compiled: bool = False,
     method: str = "standard",
+    keep_compute_dtype: bool = False,
 ) -> torch.Tensor:
     """Approximate the polar factor ``U V^T`` of ``G`` (or of each matrix of a stack).
 
@@ -279,9 +287,12 @@ def newton_schulz(
         method: ``"standard"`` (iterate on ``X``), ``"gram"`` (iterate on ``X X^T``;
             fewer FLOPs for wide matrices) or ``"auto"`` (by aspect ratio, see
             :func:`choose_method`).
+        keep_compute_dtype: return the result in the dtype the iteration ran in (Gram NS:
+            :func:`gram_dtype`) instead of casting it to ``G``'s: a caller that scales and
+            casts it anyway saves a pass over the matrices, and no rounding is added.
 
     Returns:
-        A tensor of ``G``'s shape and dtype (computed in ``compute_dtype``, then cast).
+        A tensor of ``G``'s shape, in ``G``'s dtype (or the compute dtype).
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz expects a 2-D matrix or 3-D stack, got shape {tuple(G.shape)}.")
@@ -290,7 +301,8 @@ def newton_schulz(
     method = choose_method(G.size(-2), G.size(-1), method)
     schedule = resolve_coefficients(coefficients).schedule(steps)
     kernel = _compiled_kernel(method) if compiled else _KERNELS[method]
-    return kernel(G, schedule, compute_dtype, eps)
+    X = kernel(G, schedule, compute_dtype, eps)
+    return X if keep_compute_dtype else X.to(G.dtype)
 
 
 def newton_schulz_flops(m: int, n: int, steps: int = 5, batch: int = 1, method: str = "standard") -> int:

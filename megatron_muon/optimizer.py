@@ -287,6 +287,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         """Start the step's state; this step's (learning rate, weight decay) of every Muon param."""
         lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
         self.muon.shard_states.begin()
+        self.muon.previous_updates = self.muon.measured_updates()
         self.muon.measure_updates = measure_updates
         self.muon.update_square_sum, self.muon.update_numel = None, 0
         return [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
@@ -525,21 +526,26 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """The numbers a Muon run watches, for the last step; collective over every rank.
 
         ``update-rms``: RMS of all Muon updates (orthogonalized and scaled, before the
-        learning rate; each matrix counted once, by its owner), when the step was taken
-        with :attr:`measure_updates` (a pending step is finished for it). ``skipped-steps``: steps
-        skipped for non-finite gradients so far. ``optimizer-step-ms``: this rank's
-        ``step()`` (with a pending step, only the part it ran). With QK-Clip or ``log_max_attention_logit``: ``max-attention-logit``
-        and ``mean-attention-logit`` (the mean over layers of each layer's largest logit) and
-        ``qk-clip-heads-clipped``."""
+        learning rate; each matrix counted once, by its owner) of the last step taken with
+        :attr:`measure_updates`; while that step is still pending (``muon_step_overlap``
+        'forward'), of the step before it, which the forward has finished: measuring never
+        finishes a pending step. ``skipped-steps``: steps skipped for non-finite gradients
+        so far. ``optimizer-step-ms``: this rank's ``step()`` (with a pending step, only the
+        part it ran). With QK-Clip or ``log_max_attention_logit``: ``max-attention-logit``
+        and ``mean-attention-logit`` (the mean over layers of each layer's largest logit)
+        and ``qk-clip-heads-clipped``."""
         out = {"skipped-steps": float(self.skips.skipped_steps), "optimizer-step-ms": self.step_seconds * 1e3}
-        if self.dense.muon.measure_updates:
-            self.finish_pending_step()
+        pending = self.pending is not None and self.pending.active
+        measured = [
+            opt.muon.previous_updates if pending else opt.muon.measured_updates() for opt in self.muon_optimizers
+        ]
+        if all(m is not None for m in measured):
             device = self.dense.muon.device or torch.device("cpu")
             sums = torch.zeros(2, dtype=torch.float64, device=device)
-            for opt in self.muon_optimizers:
-                if opt.muon.update_square_sum is not None:
-                    sums[0] += opt.muon.update_square_sum.double().to(device)
-                sums[1] += opt.muon.update_numel
+            for square_sum, numel in measured:
+                if square_sum is not None:
+                    sums[0] += square_sum.double().to(device)
+                sums[1] += numel
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(sums)
             out["update-rms"] = float((sums[0] / sums[1].clamp_min(1)).sqrt())

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,21 @@ class MuonStep:
     update_numel: int = 0
     """Sum of squares and count of the elements of the updates this rank computed in the
     last step (the owners' matrices, scaled): the update RMS a run logs."""
+    previous_updates: Optional[Tuple[Optional[torch.Tensor], int]] = None
+    """``(update_square_sum, update_numel)`` of the step before the last, if it measured them."""
+    scale_tensors: Dict[Tuple[Tuple[float, ...], torch.device], torch.Tensor] = field(default_factory=dict)
+    """The update scales of each stack as an fp32 ``[B, 1, 1]`` tensor on its device, made
+    once: a host-to-device copy every step would wait for the device."""
+
+    def measured_updates(self) -> Optional[Tuple[Optional[torch.Tensor], int]]:
+        """``(update_square_sum, update_numel)`` of the last step, if it measured them."""
+        return (self.update_square_sum, self.update_numel) if self.measure_updates else None
+
+    def scale_tensor(self, scales: Tuple[float, ...], device: torch.device) -> torch.Tensor:
+        key = (scales, device)
+        if key not in self.scale_tensors:
+            self.scale_tensors[key] = torch.tensor(scales, dtype=torch.float32, device=device).view(-1, 1, 1)
+        return self.scale_tensors[key]
 
 
 # ---------------------------------------------------------------------------------------
@@ -137,16 +152,16 @@ def chunk_exchange(
         recv, work = exchange(step.group, send, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote)
     yield
 
-    # 3. Newton–Schulz of the owned matrices, times their update scales.
+    # 3. Newton–Schulz of the owned matrices, times their update scales, written into the
+    #    scatter's send buffer.
     with record_function("muon/gather"):
         if work is not None:
             work.wait()
     with record_function("muon/newton_schulz"):
-        updates = orthogonalize(step, msg, assemble(msg, recv))
+        send = orthogonalize(step, msg, recv)
 
     # 4. Scatter: every piece of every update to the rank holding it.
     with record_function("muon/scatter"):
-        send = pack(cut_pieces(msg, updates), step.comm_dtype, step.device)
         recv, work = exchange(step.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
     yield
 
@@ -155,11 +170,26 @@ def chunk_exchange(
         if work is not None:
             work.wait()
     with record_function("muon/update"):
-        # The update stays in the wire dtype: the in-place ops promote it to fp32 (exactly)
-        # as they read it, which saves a full-size fp32 copy.
-        for p, s, e, offset in msg.scatter_apply:
-            lr, wd = lr_wd[p]
-            decay_and_update_(step.masters[p][s:e], recv[offset : offset + e - s], lr, wd, step.cautious)
+        apply_updates(step, msg, recv, lr_wd)
+
+
+def apply_updates(step: MuonStep, msg: ChunkMessages, recv: torch.Tensor, lr_wd: Sequence[Tuple[float, float]]) -> None:
+    """:func:`decay_and_update_` of every received piece into its fp32 master range; the
+    pieces of one (learning rate, weight decay) as one ``_foreach`` op each (cautious weight
+    decay and a CPU-offloaded master: piece by piece). The update stays in the wire dtype:
+    the ops promote it to fp32 (exactly) as they read it, which saves an fp32 copy."""
+    groups: Dict[Tuple[float, float], Tuple[List[torch.Tensor], List[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    for p, s, e, offset in msg.scatter_apply:
+        master, update = step.masters[p][s:e], recv[offset : offset + e - s]
+        if step.cautious or master.device != update.device:
+            decay_and_update_(master, update, *lr_wd[p], step.cautious)
+        else:
+            groups[lr_wd[p]][0].append(master)
+            groups[lr_wd[p]][1].append(update)
+    for (lr, wd), (masters, updates) in groups.items():
+        if wd != 0.0:
+            torch._foreach_mul_(masters, 1.0 - lr * wd)
+        torch._foreach_add_(masters, updates, alpha=-lr)
 
 
 def decay_and_update_(master: torch.Tensor, update: torch.Tensor, lr: float, wd: float, cautious: bool) -> None:
@@ -195,13 +225,14 @@ def exchange(
     return recv, dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group.group, async_op=True)
 
 
-def assemble(msg: ChunkMessages, recv: torch.Tensor) -> List[List[torch.Tensor]]:
+def assemble(msg: ChunkMessages, recv: torch.Tensor, skip: frozenset = frozenset()) -> List[List[torch.Tensor]]:
     """Per owned job, its matrices (fp32, one per column group) from the received pieces:
     each TP rank's piece from its DP segments, then the TP pieces joined along the
-    partition dim. The pieces are cast to fp32 as they are placed."""
+    partition dim. The pieces are cast to fp32 as they are placed. Jobs at the owned
+    positions in ``skip`` (read in place from ``recv``) get an empty list."""
     pieces: List[Dict[int, torch.Tensor]] = []
-    for job in msg.owned:
-        tps = sorted({s.tp for s in job.sources})
+    for i, job in enumerate(msg.owned):
+        tps = sorted({s.tp for s in job.sources}) if i not in skip else []
         pieces.append(
             {
                 t: torch.empty(math.prod(job.matrix.piece_shape_on(t)), dtype=torch.float32, device=recv.device)
@@ -209,24 +240,35 @@ def assemble(msg: ChunkMessages, recv: torch.Tensor) -> List[List[torch.Tensor]]
             }
         )
     for job_pos, tp, piece_offset, recv_offset, numel in msg.gather_place:
-        pieces[job_pos][tp][piece_offset : piece_offset + numel] = recv[recv_offset : recv_offset + numel]
+        if job_pos not in skip:
+            pieces[job_pos][tp][piece_offset : piece_offset + numel] = recv[recv_offset : recv_offset + numel]
     out = []
     for job, held in zip(msg.owned, pieces):
         m = job.matrix
         groups = [held[t].view(m.piece_shape_on(t)).chunk(m.column_groups, dim=1) for t in sorted(held)]
         out.append(
-            list(groups[0])
+            []
+            if not groups
+            else list(groups[0])
             if len(groups) == 1
             else [torch.cat([g[k] for g in groups], dim=m.tp_dim) for k in range(m.column_groups)]
         )
     return out
 
 
-def orthogonalize(step: MuonStep, msg: ChunkMessages, matrices: List[List[torch.Tensor]]) -> List[List[torch.Tensor]]:
-    """Every owned job's update: its matrices orthogonalized (multi-rank jobs with their
-    ranks first, in job order on every member; the rest stacked by shape), then
-    :func:`finish_update`."""
-    outputs: List[List[Optional[torch.Tensor]]] = [[None] * len(g) for g in matrices]
+def orthogonalize(step: MuonStep, msg: ChunkMessages, recv: torch.Tensor) -> torch.Tensor:
+    """The scatter's send buffer of a chunk: every owned job's update (its matrices
+    orthogonalized, then :func:`finish_update`), cut into the holders' pieces.
+
+    Multi-rank jobs go first, with their ranks, in job order on every member. The others
+    are stacked by shape (``msg.stacks``), one batched Newton–Schulz per stack; a stack the
+    plan lays out contiguously is read in place from ``recv`` and its scaled update written
+    in place into the send buffer (no copy beyond Newton–Schulz's own), the others are
+    assembled from their pieces and cut back into them."""
+    send = torch.empty(sum(msg.scatter_send_splits), dtype=step.comm_dtype, device=recv.device)
+    in_place = frozenset().union(*(stack.positions for stack in msg.stacks if stack.received))
+    matrices = assemble(msg, recv, skip=in_place)
+    outputs: List[List[Optional[torch.Tensor]]] = [[None] * job.matrix.column_groups for job in msg.owned]
     position = {job.index: i for i, job in enumerate(msg.owned)}
     me = step.group.rank
     for job in msg.jobs:
@@ -248,44 +290,62 @@ def orthogonalize(step: MuonStep, msg: ChunkMessages, matrices: List[List[torch.
             )
             if i is not None:
                 outputs[i][k] = finish_update(step, [(job, k)], ortho.unsqueeze(0))[0]
-    by_shape: Dict[Tuple[int, int], List[Tuple[int, int]]] = defaultdict(list)
-    for i, group in enumerate(matrices):
-        if not msg.owned[i].ns_ranks:
-            for k, m in enumerate(group):
-                by_shape[tuple(m.shape)].append((i, k))
-    for members in by_shape.values():
-        stack = torch.stack([matrices[i][k] for i, k in members])
+    written = set()
+    for stack in msg.stacks:
+        if stack.received:
+            start, end = stack.received
+            G = recv[start:end].view(len(stack.members), *stack.shape)
+        else:
+            G = torch.stack([matrices[i][k] for i, k in stack.members])
         ortho = newton_schulz(
-            stack, step.ns_steps, step.coefficients, step.ns_dtype, compiled=step.compiled, method=step.ns_method
+            G,
+            step.ns_steps,
+            step.coefficients,
+            step.ns_dtype,
+            compiled=step.compiled,
+            method=step.ns_method,
+            keep_compute_dtype=True,
         )
-        ortho = finish_update(step, [(msg.owned[i], k) for i, k in members], ortho)
-        for row, (i, k) in enumerate(members):
-            outputs[i][k] = ortho[row]
-    return outputs
+        members = [(msg.owned[i], k) for i, k in stack.members]
+        if stack.sent:
+            start, end = stack.sent
+            finish_update(step, members, ortho, out=send[start:end].view(len(stack.members), *stack.shape))
+            written |= stack.positions
+        else:
+            update = finish_update(step, members, ortho)
+            for row, (i, k) in enumerate(stack.members):
+                outputs[i][k] = update[row]
+    if len(written) < len(msg.owned):
+        cut_pieces(msg, outputs, send, written)
+    return send
 
 
-def finish_update(step: MuonStep, members: Sequence[Tuple[Job, int]], ortho: torch.Tensor) -> torch.Tensor:
+def finish_update(
+    step: MuonStep, members: Sequence[Tuple[Job, int]], ortho: torch.Tensor, out: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """A stack of orthogonalized matrices (``members[i]`` = (job, column group) of
-    ``ortho[i]``, storage orientation): variance reduction if on, times each job's scale."""
+    ``ortho[i]``, storage orientation, in Newton–Schulz's compute dtype): variance
+    reduction if on, times each job's scale, computed in fp32 and stored into ``out`` (the
+    wire dtype: one rounding, as if the fp32 result were packed) or a new fp32 stack."""
     if step.variance_reduction is not None:
         ortho = variance_reduce(step.owner_states, members, ortho, step.variance_reduction)
-    scales = [step.scales[job.index] for job, _ in members]
-    if len(set(scales)) == 1:  # a Python scale: no host-to-device copy, which would sync
-        update = ortho * scales[0]
-    else:
-        update = ortho * torch.tensor(scales, dtype=ortho.dtype, device=ortho.device).view(-1, 1, 1)
+    scales = step.scale_tensor(tuple(step.scales[job.index] for job, _ in members), ortho.device)
+    if out is None:
+        out = torch.empty(ortho.shape, dtype=torch.float32, device=ortho.device)
+    torch.mul(ortho, scales, out=out)
     if step.measure_updates:
-        square_sum = torch.linalg.vector_norm(update, dtype=torch.float32).square()
+        norms = torch.linalg.vector_norm(ortho, dim=(-2, -1), dtype=torch.float32)
+        square_sum = (norms.square() * scales.view(-1).square()).sum()
         step.update_square_sum = square_sum if step.update_square_sum is None else step.update_square_sum + square_sum
-        step.update_numel += update.numel()
-    return update
+        step.update_numel += ortho.numel()
+    return out
 
 
 def variance_reduce(
     states: OwnerStates, members: Sequence[Tuple[Job, int]], ortho: torch.Tensor, beta2: float
 ) -> torch.Tensor:
     """:func:`variance_reduction_` of every matrix of the stack in its logical orientation,
-    each with its own second moment (``states``, updated)."""
+    each with its own second moment (``states``, updated); fp32."""
     out = torch.empty_like(ortho, dtype=torch.float32)
     for transposed in (False, True):
         rows = [i for i, (job, _) in enumerate(members) if job.matrix.transposed == transposed]
@@ -297,7 +357,7 @@ def variance_reduce(
         out[rows] = reduced.mT if transposed else reduced
         for i, moment in zip(rows, moments):
             states.get(SECOND_MOMENT, *members[i]).copy_(moment)
-    return out.to(ortho.dtype)
+    return out
 
 
 def variance_reduction_(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float) -> torch.Tensor:
@@ -319,10 +379,25 @@ def variance_reduction_(ortho: torch.Tensor, second_moment: torch.Tensor, beta2:
     return o * (scale * (norm / new_norm.clamp_min(1e-10)))
 
 
-def cut_pieces(msg: ChunkMessages, updates: List[List[torch.Tensor]]) -> List[torch.Tensor]:
-    """The owned jobs' updates cut into the pieces ``msg.scatter_send`` lists."""
-    flat = [_tp_pieces(job, out) for job, out in zip(msg.owned, updates)]
-    return [flat[j][tp][o : o + n] for j, tp, o, n in msg.scatter_send]
+def cut_pieces(
+    msg: ChunkMessages, updates: List[List[Optional[torch.Tensor]]], send: torch.Tensor, written: Collection[int] = ()
+) -> None:
+    """The owned jobs' updates cut into the pieces ``msg.scatter_send`` lists and packed
+    (cast to the wire dtype) into their places in ``send``, each run of consecutive pieces
+    as one copy; the jobs at the owned positions in ``written`` are there already."""
+    flat = [_tp_pieces(job, out) if i not in written else None for i, (job, out) in enumerate(zip(msg.owned, updates))]
+    run: List[torch.Tensor] = []
+    start = offset = 0
+    for j, tp, o, n in msg.scatter_send:
+        if j in written:
+            if run:
+                torch.cat(run, out=send[start:offset])
+            run, start = [], offset + n
+        else:
+            run.append(flat[j][tp][o : o + n])
+        offset += n
+    if run:
+        torch.cat(run, out=send[start:offset])
 
 
 def _tp_pieces(job: Job, outs: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
@@ -409,7 +484,8 @@ def scatter_matrices(
 ) -> List[Tuple[Piece, torch.Tensor]]:
     """Collective, the reverse of :func:`gather_matrices` for one chunk: the owned jobs'
     ``outputs`` (fp32, storage orientation) cut to the holders; returns this rank's pieces."""
-    send = pack(cut_pieces(msg, outputs), torch.float32, step.device)
+    send = torch.empty(sum(msg.scatter_send_splits), dtype=torch.float32, device=step.device)
+    cut_pieces(msg, outputs, send)
     recv, work = exchange(step.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
     if work is not None:
         work.wait()

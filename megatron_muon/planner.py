@@ -195,12 +195,12 @@ def assign_owners(
     size = 0
     for job in jobs:
         if current and size + job.numel > chunk_numel:
-            chunks.append(Chunk(len(chunks), current))
+            chunks.append(Chunk(len(chunks), _by_shape(current)))
             current, size = [], 0
         current.append(job)
         size += job.numel
     if current:
-        chunks.append(Chunk(len(chunks), current))
+        chunks.append(Chunk(len(chunks), _by_shape(current)))
 
     loads = list(loads) if loads is not None else [0] * group.size
 
@@ -229,6 +229,13 @@ def assign_owners(
             job.owner = min(allowed[job.index], key=lambda r: (loads[r], r))
             loads[job.owner] += job.flops
     return chunks, loads
+
+
+def _by_shape(jobs: List[Job]) -> List[Job]:
+    """A chunk's jobs with the matrices of one shape next to each other (multi-rank ones
+    last), otherwise in model order: where each matrix is whole on one rank, the pieces of
+    one shape then travel, arrive and leave as one contiguous stack (``Stack``)."""
+    return sorted(jobs, key=lambda job: (job.matrix.ns_shape, bool(job.ns_ranks)))
 
 
 def build_plan(
@@ -313,6 +320,28 @@ Piece = Tuple[int, int, int]
 """(param index, start, end): a range of this rank's fp32 master of a Muon param."""
 
 
+@dataclass(frozen=True)
+class Stack:
+    """The owned matrices of one shape in a chunk, orthogonalized as one batched call.
+
+    Where the plan lays the stack out contiguously, no copy is made: ``received`` is the
+    range of the gather's receive buffer that *is* the stack (each member's matrix whole,
+    one after another), and ``sent`` the range of the scatter's send buffer that the
+    scaled updates are written into. None: the matrices are assembled from their pieces
+    (several TP ranks, column groups, a matrix cut at DP bounds), or the updates cut into
+    them."""
+
+    shape: Tuple[int, int]
+    members: Tuple[Tuple[int, int], ...]
+    """(owned position, column group) of each matrix of the stack, in stack order."""
+    received: Optional[Tuple[int, int]] = None
+    sent: Optional[Tuple[int, int]] = None
+
+    @property
+    def positions(self) -> frozenset:
+        return frozenset(i for i, _ in self.members)
+
+
 @dataclass
 class ChunkMessages:
     """This rank's share of one chunk: what it sends, what arrives, where each piece goes.
@@ -345,6 +374,8 @@ class ChunkMessages:
     scatter_recv_splits: List[int] = field(default_factory=list)
     scatter_apply: List[Tuple[int, int, int, int]] = field(default_factory=list)
     """(param index, start, end, receive offset): where each received update piece lands."""
+    stacks: List[Stack] = field(default_factory=list)
+    """The owned single-rank jobs' matrices grouped by shape (:func:`stacks`)."""
     gather_remote: bool = False
     scatter_remote: bool = False
     """Whether any rank of the group sends anything in this chunk's gather / scatter (the
@@ -403,10 +434,69 @@ def rank_messages(plan: Plan, local_starts: Sequence[int], sizes: Sequence[Optio
                 msg.scatter_apply.append((param_index, start, end, offset))
                 offset += end - start
         msg.scatter_recv_splits = [sum(e - s for _, s, e in items) for items in back]
+        msg.stacks = stacks(msg)
         out.append(msg)
     _assign_momentum(out, sizes)
     check_coverage(out, sizes)
     return out
+
+
+def stacks(msg: ChunkMessages) -> List[Stack]:
+    """The owned matrices of ``msg`` that one rank orthogonalizes, grouped by shape (in
+    order of first appearance), each group's layout in the gather's receive buffer and the
+    scatter's send buffer where it is contiguous (:class:`Stack`)."""
+    groups: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}
+    for i, job in enumerate(msg.owned):
+        if not job.ns_ranks:
+            for k in range(job.matrix.column_groups):
+                groups.setdefault(job.matrix.ns_shape, []).append((i, k))
+    arrivals: Dict[int, List[Tuple[int, int, int, int]]] = {}
+    for i, tp, piece_offset, recv_offset, numel in msg.gather_place:
+        arrivals.setdefault(i, []).append((tp, piece_offset, recv_offset, numel))
+    departures: Dict[int, List[Tuple[int, int, int, int]]] = {}
+    offset = 0
+    for i, tp, piece_offset, numel in msg.scatter_send:
+        departures.setdefault(i, []).append((tp, piece_offset, offset, numel))
+        offset += numel
+    out = []
+    for shape, members in groups.items():
+        whole = [
+            (i, k) for i, k in members if msg.owned[i].matrix.column_groups == 1 and _single_piece(msg.owned[i].matrix)
+        ]
+        contiguous = len(whole) == len(members)
+        out.append(
+            Stack(
+                shape,
+                tuple(members),
+                received=_span([arrivals.get(i, []) for i, _ in members], shape) if contiguous else None,
+                sent=_span([departures.get(i, []) for i, _ in members], shape) if contiguous else None,
+            )
+        )
+    return out
+
+
+def _single_piece(matrix: LogicalMatrix) -> bool:
+    """Whether the matrix is one TP rank's piece whole (what travels is the matrix itself)."""
+    return matrix.replicated or len(matrix.pieces) == 1
+
+
+def _span(runs: List[List[Tuple[int, int, int, int]]], shape: Tuple[int, int]) -> Optional[Tuple[int, int]]:
+    """The buffer range ``[start, end)`` holding the members' matrices one after another,
+    each whole and in order, given each member's ``(tp, piece offset, buffer offset,
+    numel)`` runs; None if they are not laid out so."""
+    numel = shape[0] * shape[1]
+    start = runs[0][0][2] if runs and runs[0] else None
+    position = start
+    for member in runs:
+        piece = 0
+        for tp, piece_offset, offset, n in member:
+            if tp != member[0][0] or piece_offset != piece or offset != position:
+                return None
+            piece += n
+            position += n
+        if piece != numel:
+            return None
+    return (start, position) if start is not None else None
 
 
 def _assign_momentum(messages: List[ChunkMessages], sizes: Sequence[Optional[int]]) -> None:

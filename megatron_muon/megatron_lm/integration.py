@@ -353,22 +353,23 @@ def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> 
     return clip_qk
 
 
-def update_rms_interval(args: argparse.Namespace, optimizer: Any) -> int:
-    """Every how many iterations the update RMS is measured: at each TensorBoard log; with
-    the step finished in the next forward (measuring finishes it at once, so that step
-    overlaps nothing), every ``--log-interval`` iterations, rounded up to a TensorBoard log."""
+def measure_next_step(args: argparse.Namespace, optimizer: Any, iteration: int) -> bool:
+    """Whether the step of iteration ``iteration + 1`` measures its update RMS: when a
+    TensorBoard log will report it. That is the log of its own iteration; with the step
+    finished in the next forward, also the log one iteration later, which reports it once
+    the forward has finished it (:meth:`MuonChainedOptimizer.log_statistics`): measuring
+    never finishes a pending step early."""
     interval = max(1, args.tensorboard_log_interval)
-    if getattr(optimizer, "pending", None) is None:
-        return interval
-    return interval * -(-max(1, args.log_interval) // interval)
+    later = 2 if getattr(optimizer, "pending", None) is not None else 1
+    return any((iteration + lag) % interval == 0 for lag in range(1, later + 1))
 
 
 def _wrap_training_log(original: Callable, module: Any, installed: _Installation) -> Callable:
     """Megatron-LM's log, then Muon's numbers (``MuonChainedOptimizer.log_statistics``) as
     TensorBoard scalars ``muon/...`` at every ``--tensorboard-log-interval`` (with
     ``--tensorboard-dir``), and as W&B ones with ``--wandb-project``; the update RMS is
-    measured only in the steps of the iterations :func:`update_rms_interval` picks
-    (``measure_updates``, set for the next step here). The statistics are collective: every
+    measured only in the steps whose statistics a log reports (:func:`measure_next_step`,
+    ``measure_updates`` set for the next step here). The statistics are collective: every
     rank computes them, the rank holding Megatron-LM's writers writes."""
     signature = inspect.signature(original)
 
@@ -380,7 +381,7 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
             return result
         iteration = signature.bind(*a, **kw).arguments["iteration"]
         interval = max(1, args.tensorboard_log_interval)
-        optimizer.measure_updates = (iteration + 1) % update_rms_interval(args, optimizer) == 0  # for the next step
+        optimizer.measure_updates = measure_next_step(args, optimizer, iteration)
         if iteration % interval:
             return result
         stats = optimizer.log_statistics()  # of the step just taken

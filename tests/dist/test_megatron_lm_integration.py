@@ -357,12 +357,15 @@ def test_undo_then_install_again_validates_once(megatron_lm):
     assert args.optimizer == "muon" and args.qk_clip
 
 
-def test_update_rms_measured_every_log_interval_when_the_step_overlaps():
-    """Measuring the update RMS finishes a pending step at once: with the step finished in the
-    next forward it is measured every --log-interval (rounded up to a TensorBoard log), not
-    at every TensorBoard log."""
+def test_update_rms_is_measured_for_the_logs_that_report_it():
+    """A step measures its update RMS when a TensorBoard log reports it: its own iteration's;
+    with the step finished in the next forward also the next iteration's log, which reports
+    it once the forward has finished it (measuring never finishes a pending step, so the
+    overlap holds at every log interval)."""
     whole, pending = types.SimpleNamespace(pending=None), types.SimpleNamespace(pending=object())
-    for tensorboard, log, overlapped in ((1, 100, 100), (3, 10, 12), (5, 1, 5), (1, 1, 1)):
-        args = types.SimpleNamespace(tensorboard_log_interval=tensorboard, log_interval=log)
-        assert I.update_rms_interval(args, whole) == tensorboard
-        assert I.update_rms_interval(args, pending) == overlapped
+    for tensorboard in (1, 3, 5):
+        args = types.SimpleNamespace(tensorboard_log_interval=tensorboard, log_interval=1)
+        for iteration in range(12):
+            logged = (iteration + 1) % tensorboard == 0
+            assert I.measure_next_step(args, whole, iteration) == logged
+            assert I.measure_next_step(args, pending, iteration) == (logged or (iteration + 2) % tensorboard == 0)

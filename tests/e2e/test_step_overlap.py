@@ -41,20 +41,22 @@ def _numbers(stdout: str) -> Dict[str, Dict[int, float]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each mode once, then the forward run resumed from its iteration-6 save with
-    ``--log-params-norm`` (as the 'none' run: Megatron-LM reads every parameter right after
-    the step). The forward run is profiled at iteration 10, whose forward finishes the step
-    of 9 (at 9, the evaluation after 8 has already finished the step before the forward)."""
+    """Each mode once, TensorBoard logging at every iteration, then the forward run resumed
+    from its iteration-6 save with ``--log-params-norm`` (as the 'none' run: Megatron-LM
+    reads every parameter right after the step). The forward run is profiled at iteration
+    10, whose forward finishes the step of 9 (at 9, the evaluation after 8 has already
+    finished the step before the forward)."""
     out = {}
     cache = tmp_path_factory.mktemp("cache")
     for mode in ("forward", "none"):
         work = tmp_path_factory.mktemp(mode)
         flags = [*FLAGS, "--muon-step-overlap", mode, "--data-cache-path", str(cache), "--save", str(work / "ckpt")]
+        # TensorBoard at every iteration: measuring the update RMS must not finish the step early.
+        flags += ["--tensorboard-dir", str(work / "tb"), "--tensorboard-log-interval", "1", "--log-interval", "1"]
         if mode == "none":
             flags += ["--log-params-norm"]
-        if mode == "forward":  # a TensorBoard log interval past the run: no step finished early to log it
-            flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "10", "--profile-step-end", "11",
-                      "--tensorboard-dir", str(work / "tb"), "--tensorboard-log-interval", "100"]  # fmt: skip
+        if mode == "forward":
+            flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "10", "--profile-step-end", "11"]
         out[mode] = dict(numbers=_numbers(run(TWO_RANKS + flags, timeout=400)), work=work)
     work = out["forward"]["work"]
     resume = [*FLAGS, "--muon-step-overlap", "forward", "--data-cache-path", str(cache), "--load", str(work / "ckpt")]
@@ -86,6 +88,24 @@ def test_forward_resumes_from_its_save(runs):
     assert resumed["validation"] == {i: full["validation"][i] for i in (8, 12)}
     none = runs["none"]["numbers"]["params"]
     assert resumed["params"] == {i: none[i] for i in range(7, 13)}
+
+
+@pytest.mark.slow
+def test_forward_reports_the_update_rms_of_the_step_its_forward_finished(runs):
+    """With the step finished in the next forward, iteration i's TensorBoard log reports the
+    update RMS of step i-1 (finished by iteration i's forward) where 'none' reports step i's;
+    the same numbers, one iteration later."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def update_rms(mode: str) -> Dict[int, float]:
+        (events,) = list((runs[mode]["work"] / "tb").glob("events.out.tfevents.*"))
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        return {e.step: e.value for e in acc.Scalars("muon/update-rms")}
+
+    forward, none = update_rms("forward"), update_rms("none")
+    assert sorted(none) == list(range(1, 13)), none
+    assert forward == {i: none[i - 1] for i in range(2, 13)}, (forward, none)
 
 
 @pytest.mark.slow

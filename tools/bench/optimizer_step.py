@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Optional
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tools.bench import common, peers
+from tools.bench import common, peers, step_overhead
 
 MODELS: Dict[str, Dict[str, Any]] = {
     # The CPU model: the project's tiny GQA SwiGLU GPT.
@@ -147,6 +147,14 @@ def _time_peers(
             with peers.count_traffic() as train_traffic:
                 _forward_backward(model, opt, tokens, mbs, spec)
                 opt.step()
+            # What the step runs besides Newton–Schulz, one more step each way.
+            _forward_backward(model, opt, tokens, mbs, spec)
+            results[n]["overhead"] = step_overhead.count_ops(opt.step)
+            if device == "cuda":
+                _forward_backward(model, opt, tokens, mbs, spec)
+                kernels = step_overhead.profile_kernels(opt.step)
+                kernels.pop("trace")
+                results[n]["kernels"] = kernels
             results[n].update(
                 step_bytes=dict(step_traffic.bytes),
                 train_bytes=dict(train_traffic.bytes),
@@ -157,6 +165,8 @@ def _time_peers(
                 # Peak device memory of the peer's whole run (model, activations, optimizer;
                 # one peer at a time when not interleaved).
                 peak_bytes=torch.cuda.max_memory_allocated() if device == "cuda" else None,
+                ns_tflop=ns_tflop(opt),
+                offload_bytes=offload_bytes(opt),
             )
         _progress(f"timed {', '.join(group)} ({time.perf_counter() - started:.1f} s with the build)")
         del built
@@ -164,6 +174,58 @@ def _time_peers(
         if device == "cuda":
             torch.cuda.empty_cache()
     return results
+
+
+def ns_tflop(opt) -> Optional[float]:
+    """Newton–Schulz TFLOP of one step of ours (each logical matrix once, by the iteration
+    the config runs), and of the standard iteration on the same matrices: the floor's work."""
+    from megatron_muon.newton_schulz import newton_schulz_flops
+
+    muon = getattr(opt, "muon_optimizers", None)
+    if muon is None:
+        return None
+    jobs = [job for o in muon for job in o.plan.jobs]
+    steps = muon[0].config.muon_num_ns_steps
+    standard = sum(newton_schulz_flops(*j.matrix.ns_shape, steps, batch=j.matrix.column_groups) for j in jobs)
+    return dict(planned=sum(j.flops for j in jobs) / 1e12, standard=standard / 1e12)
+
+
+def offload_bytes(opt) -> Optional[Dict[str, int]]:
+    """Bytes the CPU offload must move per step on this rank, each way: every offloaded
+    state to the device and back, the offloaded fp32 masters to the device (the master ->
+    model copy) and their updates back to the host (in the wire dtype)."""
+    muon = getattr(opt, "muon_optimizers", None)
+    if not muon or not any(o.muon.shard_states.offload for o in muon):
+        return None
+    h2d = d2h = 0
+    for o in muon:
+        h2d += o.muon.shard_states.pool_bytes
+        d2h += o.muon.shard_states.pool_bytes
+        if o.masters_offload is not None:
+            pool = o.masters_offload.pool_bytes
+            h2d += pool
+            d2h += pool // 4 * o.config.comm_dtype.itemsize
+    return dict(h2d=h2d, d2h=d2h)
+
+
+def host_device_gbps() -> Dict[str, float]:
+    """Pinned host <-> device copy rate (GB/s) of a 1 GiB buffer, each way, median of 5."""
+    import torch
+
+    n = 1 << 28
+    host = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.float32, device="cuda")
+    out = {}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        times = []
+        for _ in range(6):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[name] = 4 * n / common.median(times[1:]) / 1e9
+    return out
 
 
 def _progress(message: str) -> None:
@@ -237,6 +299,11 @@ def rank_main(
         probe={},
         attention=peers.attention_dims(M.transformer_config(spec)),
     )
+    if device == "cuda":  # the rates the floor and the offload's copy time are taken at
+        from tools.bench.newton_schulz import measured_matmul_tflops
+
+        out["bf16_tflops"] = measured_matmul_tflops(device, 8192, reps=10, stat="median")
+        out["host_device_gbps"] = host_device_gbps()
     want_grads = True
     for name in names if probe_layers != 0 else []:
         if peers.is_muon_peer(name) and not peers.is_fsdp_peer(name):  # the probe reads whole TP pieces
@@ -341,6 +408,10 @@ def summarize(ranks: List[Dict[str, Any]], names: List[str]) -> Dict[str, Dict[s
         }
         out[name] = dict(
             label=peers.LABELS[name],
+            overhead=step_overhead.merge_counts([r["overhead"] for r in per_rank]),
+            kernels=per_rank[0].get("kernels"),
+            ns_tflop=per_rank[0].get("ns_tflop"),
+            offload_bytes=per_rank[0].get("offload_bytes"),
             step_ms=step * 1e3,
             train_step_ms=train * 1e3,
             step_bytes=bytes_of("step_bytes"),
@@ -467,6 +538,7 @@ def markdown(data: Dict[str, Any]) -> str:
     )
     targets = targets_table(results, lay["dp"])
     residency = residency_table(results)
+    overhead = overhead_tables(data)
     return (
         f"{head}\n\n{main}\n\nErrors are distances between unit-norm directions, "
         "‖−Δ/‖Δ‖ − T/‖T‖‖_F for the change Δ of each logical matrix (Q, K, V apart), T the polar factor "
@@ -485,6 +557,7 @@ def markdown(data: Dict[str, Any]) -> str:
         + held
         + "\n"
         + (f"\nThe project's targets, from this run:\n\n{targets}\n" if targets else "")
+        + overhead
         + (
             f"\nMuon matrices' optimizer state (momentum, second moments, fp32 masters) per rank, max over ranks; "
             "'on device' counts tensors outside the CPU offload pool (on a CPU-only machine, what a GPU "
@@ -493,6 +566,88 @@ def markdown(data: Dict[str, Any]) -> str:
             else ""
         )
     )
+
+
+def overhead_tables(data: Dict[str, Any]) -> str:
+    """What each step runs besides Newton–Schulz (ops, copies and casts, host syncs: every
+    device); on a GPU also its kernels' time and the step against the Newton–Schulz FLOP
+    floor and the offload's copy time, at the rates measured in the same run."""
+    results = data["peers"]
+    rows = [
+        row
+        for r in results.values()
+        if r.get("overhead")
+        for row in step_overhead.overhead_rows(r["label"], r["overhead"])
+    ]
+    out = (
+        "\nWhat one step runs besides Newton–Schulz, summed over the ranks (`tools/bench/step_overhead.py`: every "
+        "aten op, Newton–Schulz's inside the implementation's NS call; views not counted; bytes read plus "
+        "written; per matrix: over the logical matrices orthogonalized, each once):\n\n"
+        + common.md_table(step_overhead.OVERHEAD_HEADERS, rows)
+        + "\n"
+    )
+    kernels = [(r["label"], r["step_ms"], r["kernels"]) for r in results.values() if r.get("kernels")]
+    if kernels:
+        out += (
+            "\nOne profiled step on the device (rank 0): kernel time in GEMMs and in the rest, the device idle, launches and host-device syncs:\n\n"
+            + common.md_table(
+                [
+                    "optimizer",
+                    "step ms",
+                    "profiled wall ms",
+                    "GEMM ms",
+                    "other kernels ms",
+                    "device idle ms",
+                    "launches",
+                    "syncs",
+                ],
+                [
+                    [
+                        label,
+                        ms,
+                        k["wall_ms"],
+                        k["gemm_ms"],
+                        k["other_kernels_ms"],
+                        k["idle_ms"],
+                        k["launches"],
+                        k["syncs"],
+                    ]
+                    for label, ms, k in kernels
+                ],
+            )
+            + "\n"
+        )
+    rate = data.get("bf16_tflops")
+    work = next((r["ns_tflop"] for r in results.values() if r.get("ns_tflop")), None)
+    if rate and work:
+        floor_ms = work["standard"] / rate * 1e3
+        out += (
+            f"\nNewton–Schulz FLOP floor: {work['standard']:.2f} TFLOP (standard iteration, every logical matrix once) "
+            f"at the measured bf16 GEMM rate {rate:.0f} TFLOP/s = {floor_ms:.1f} ms.\n\n"
+            + common.md_table(
+                ["optimizer", "step ms", "step / floor", "its NS TFLOP"],
+                [
+                    [r["label"], r["step_ms"], r["step_ms"] / floor_ms, (r.get("ns_tflop") or {}).get("planned")]
+                    for n, r in results.items()
+                    if peers.is_muon_peer(n)
+                ],
+            )
+            + "\n"
+        )
+    rates = data.get("host_device_gbps")
+    moved = [(r["label"], r["step_ms"], r["offload_bytes"]) for r in results.values() if r.get("offload_bytes")]
+    if rates and moved:
+        rows = []
+        for label, ms, b in moved:
+            copy_ms = max(b["h2d"] / rates["h2d"], b["d2h"] / rates["d2h"]) / 1e6
+            rows.append([label, common.human_bytes(b["h2d"]), common.human_bytes(b["d2h"]), copy_ms, ms, ms / copy_ms])
+        out += (
+            f"\nCPU offload against its copies at the measured pinned host-device rates ({rates['h2d']:.1f} GB/s to the device, "
+            f"{rates['d2h']:.1f} GB/s back; copy time = the longer direction, both directions overlapping):\n\n"
+            + common.md_table(["optimizer", "to device", "to host", "copy ms", "step ms", "step / copy"], rows)
+            + "\n"
+        )
+    return out
 
 
 # (ours, peer, what, limit): ours / peer must not exceed limit.
@@ -665,6 +820,8 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         mbs=args.mbs,
         muon_chunk_numel=args.muon_chunk_numel,
         peers=summarize(ranks, names),
+        bf16_tflops=ranks[0].get("bf16_tflops"),
+        host_device_gbps=ranks[0].get("host_device_gbps"),
         errors=orthogonalization_errors(ranks, device) if any(r["probe"] for r in ranks) else {},
     )
     data["wall_s"] = time.perf_counter() - started
