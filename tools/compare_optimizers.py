@@ -84,6 +84,12 @@ PEERS: Dict[str, Peer] = {
     ),
     "muon_vr": Peer("Muon + variance reduction", "#55a868", ("--optimizer", "muon", "--muon-variance-reduction", "0.95")),
     "muon_cautious": Peer("Muon + cautious WD", "#8172b2", ("--optimizer", "muon", "--muon-cautious-weight-decay")),
+    "muon_gram_auto": Peer("Muon, Gram NS by aspect ratio", "#64b5cd", ("--optimizer", "muon", "--muon-ns-method", "auto")),
+    "muon_split_glu": Peer("Muon, gate and up apart", "#ccb974", ("--optimizer", "muon", "--muon-split-glu")),
+    "muon_gram_auto_split_glu": Peer(
+        "Muon, Gram NS by aspect ratio, gate and up apart", "#8c8c8c",
+        ("--optimizer", "muon", "--muon-ns-method", "auto", "--muon-split-glu"),
+    ),
 }  # fmt: skip
 """The peers a study can hold. Megatron-core's Muon runs only in bf16 (give ``-- --bf16``)."""
 LABELS = {name: p.label for name, p in PEERS.items()}

@@ -144,30 +144,34 @@ def test_a_rerun_of_some_parts_takes_the_others_from_an_earlier_run(tmp_path, mo
         gpu_check.merge(data, dict(earlier, env=dict(env, device_name="GPU Y")))
 
 
-def test_main_job_compares_losses_as_far_as_each_run_got_and_times_modes_by_their_full_runs(tmp_path, monkeypatch):
-    """A run stopped at the part's box is no loss mismatch; a mode's time is the mean of its
-    finished runs; a Muon run logging another loss fails the part."""
+def test_main_job_compares_losses_as_far_as_each_run_got_at_each_learning_rate(tmp_path, monkeypatch):
+    """AdamW and Muon at each learning rate; a run stopped at the part's box is no loss
+    mismatch; a run's time counts only when it finished its timed iterations; a Muon run
+    logging another loss than the other place of its step at that rate fails the part."""
     total = gpu_check.MAIN_JOB_WARMUP + gpu_check.MAIN_JOB_TIMED
     plan = {}  # position -> (iterations logged, ms per iteration, loss offset)
 
     def fake_run(cmd, box_s, log, env):
         position = int(Path(log).stem.split("_")[2])
         count, ms, offset = plan[position]
+        lr = float(cmd[cmd.index("--lr") + 1])
         with open(log, "a") as out:
             for i in range(1, count + 1):
                 out.write(f" [t] iteration {i:8d}/{total:8d} | consumed samples: {8 * i} | elapsed time per iteration (ms): {ms} | "
-                          f"lm loss: {10.0 - i * 0.1 + offset:.6E} | grad norm: 1.0 |\n")  # fmt: skip
+                          f"lm loss: {10.0 - i * lr + offset:.6E} | grad norm: 1.0 |\n")  # fmt: skip
         return 0 if count == total else None
 
     monkeypatch.setattr(gpu_check, "run_boxed", fake_run)
-    names = [name for name, _, _ in gpu_check.MAIN_JOB_RUNS]
-    assert names[0] == "adam" and names[1:4] == names[4:][::-1]  # A B C C B A
-    plan.update({i: (total, 100.0 + i, 0.0) for i in range(len(names))})
-    plan[len(names) - 1] = (7, 500.0, 0.0)  # the last run stopped at the box after 7 iterations
+    runs = gpu_check.MAIN_JOB_RUNS
+    assert {(opt, lr) for _, opt, lr, _ in runs} == {(o, lr) for o in ("adam", "muon") for lr in gpu_check.MAIN_JOB_LRS}
+    last = len(runs) - 1
+    assert runs[last][1] == "muon" and "forward" in runs[last][3]
+    plan.update({i: (total, 100.0 + i, 0.0) for i in range(len(runs))})
+    plan[last] = (7, 500.0, 0.0)  # the last run stopped at the box after 7 iterations
     job = gpu_check.main_job(60, tmp_path, tmp_path / "log", {})
     assert job["status"] == "timed_out" and job["muon_losses_same"]
-    assert job["mean_ms"]["muon"] == 101.0  # its second run did not finish its timed iterations
-    assert job["mean_ms"]["muon, step in the forward"] == (102.0 + 105.0) / 2
-    plan[len(names) - 1] = (total, 100.0, 0.0)
-    plan[3] = (total, 100.0, 1e-3)
+    assert runs[last][0] not in job["median_ms"] and job["over_step_whole"] == {}
+    lr = gpu_check.MAIN_JOB_LRS[0]
+    assert job["muon_over_adamw"][lr] == 101.0 / 100.0
+    plan[last] = (total, 100.0, 1e-3)  # the step in the forward logs another loss
     assert gpu_check.main_job(60, tmp_path, tmp_path / "log2", {})["status"] == "failed"

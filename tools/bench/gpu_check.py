@@ -60,19 +60,23 @@ MAIN_JOB_MODEL = [
 ]  # fmt: skip
 """The main job's model: tiny_gqa's recipe at the optimizer-step benchmark's ``medium`` size
 (8 layers, d2048, GQA 16/4 heads, SwiGLU 5632, 1024 tokens; two micro-batches a step)."""
-MUON_MODES = (
-    ("muon", ("--muon-step-overlap", "none")),
-    ("muon, step in the forward", ("--muon-step-overlap", "forward", "--no-muon-step-overlap-side-stream")),
-    ("muon, step in the forward, side stream", ("--muon-step-overlap", "forward", "--muon-step-overlap-side-stream")),
-)
-"""Muon's three places for its step: whole inside ``step()``; from DDP's forward pre-hooks
-on the forward's stream; queued on a side stream as ``step()`` returns."""
-MAIN_JOB_RUNS = (("adam", "adam", ()), *((n, "muon", f) for n, f in MUON_MODES),
-                 *((n, "muon", f) for n, f in reversed(MUON_MODES)))  # fmt: skip
+MAIN_JOB_LRS = ("3e-4", "1e-3")
+"""The learning rates both optimizers train at, sane for a hidden-2048 model with AdamW; the
+same for Muon, whose default update scale (``moonlight``, 0.2 sqrt(max(m, n))) matches
+AdamW's update RMS so that AdamW's learning rates carry over. Each decays to a tenth."""
+STEP_IN_FORWARD = ("--muon-step-overlap", "forward")
+MAIN_JOB_RUNS = tuple(
+    run
+    for lr in MAIN_JOB_LRS
+    for run in (
+        (f"adam, lr {lr}", "adam", lr, ()),
+        (f"muon, lr {lr}", "muon", lr, ("--muon-step-overlap", "none")),
+    )
+) + ((f"muon, lr {MAIN_JOB_LRS[-1]}, step in the forward", "muon", MAIN_JOB_LRS[-1], STEP_IN_FORWARD),)
 """The main job's runs, one after another on the same model and tokens: (name, optimizer,
-flags). Every run overlaps DDP's gradient reduce and parameter all-gather. Muon's modes run
-twice, in the order A B C C B A, so that a drift of the machine over the part weighs on
-each mode alike; a mode's time is the mean of its two runs' medians."""
+learning rate, flags). Every run overlaps DDP's gradient reduce and parameter all-gather;
+the last one also finishes Muon's step in the next forward (from DDP's forward
+pre-hooks), which must log the same losses as the step whole at that rate."""
 MAIN_JOB_WARMUP = 5
 MAIN_JOB_TIMED = 30
 MEMORY = re.compile(r"max allocated: ([0-9.]+) \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
@@ -98,8 +102,8 @@ PARTS = (
         "pytest tests/cuda: Newton–Schulz on CUDA vs float64, the main job GPU vs CPU, offload, step overlap",
     ),
     Part("newton_schulz", 70, "Newton–Schulz TFLOP/s at the recipes' shapes, fraction of the measured bf16 peak"),
-    Part("optimizer_step", 80, "optimizer-step peers on one GPU: step time and optimizer memory"),
-    Part("main_job", 200, "tools/pretrain_gpt.py on one GPU, bf16: AdamW vs Muon (step whole / in the forward)"),
+    Part("optimizer_step", 100, "optimizer-step peers on one GPU: step time, overhead, NS floor, optimizer memory"),
+    Part("main_job", 180, "tools/pretrain_gpt.py on one GPU, bf16: AdamW and Muon at two learning rates each"),
 )
 
 
@@ -197,9 +201,10 @@ def newton_schulz(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> D
                 gram=data.get("gram", []), shapes_done=data.get("shapes_done"))  # fmt: skip
 
 
-STEP_PEERS = ("megatron_adamw", "megatron_muon_blockwise", "ours_exact", "ours_exact_offload")
-"""On one GPU (TP1) Megatron-core's blockwise Muon is exact too; ours with its CPU offload
-exercises the side-stream copies at size."""
+STEP_PEERS = ("megatron_adamw", "megatron_muon_blockwise", "ours_exact", "ours_exact_auto", "ours_exact_offload")
+"""On one GPU (TP1) Megatron-core's blockwise Muon is exact too; ours also with Gram
+Newton–Schulz where the aspect ratio favours it (``muon_ns_method='auto'``) and with its
+CPU offload (the side-stream copies at size)."""
 
 
 def optimizer_step(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[str, Any]:
@@ -218,12 +223,11 @@ def optimizer_step(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> 
     return dict(status=status, model=data.get("model_description"), peers=peers)
 
 
-def main_job_command(optimizer: str, iterations: int, flags: Sequence[str] = ()) -> List[str]:
-    """One GPU, bf16: the main job on :data:`MAIN_JOB_MODEL` with ``optimizer``, DDP's
-    gradient reduce and parameter all-gather overlapped."""
+def main_job_command(optimizer: str, lr: str, iterations: int, flags: Sequence[str] = ()) -> List[str]:
+    """One GPU, bf16: the main job on :data:`MAIN_JOB_MODEL` with ``optimizer`` at ``lr``
+    (decaying to a tenth), DDP's gradient reduce and parameter all-gather overlapped."""
     return [sys.executable, "tools/pretrain_gpt.py", "--recipe", "tiny_gqa", *MAIN_JOB_MODEL, "--bf16",
-            "--optimizer", optimizer, *(["--lr", "0.02", "--min-lr", "0.002"] if optimizer == "muon" else
-                                        ["--lr", "3e-4", "--min-lr", "3e-5"]),
+            "--optimizer", optimizer, "--lr", lr, "--min-lr", repr(float(lr) / 10),
             "--overlap-grad-reduce", "--overlap-param-gather",
             "--train-iters", str(iterations), "--lr-warmup-iters", "0", "--eval-iters", "0",
             "--log-interval", "1", *flags]  # fmt: skip
@@ -257,9 +261,9 @@ def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[s
     deadline = time.monotonic() + box_s
     runs: List[Dict[str, Any]] = []
     status = "passed"
-    for position, (name, optimizer, flags) in enumerate(MAIN_JOB_RUNS):
+    for position, (name, optimizer, lr, flags) in enumerate(MAIN_JOB_RUNS):
         part_log = work / f"main_job_{position}_{optimizer}.log"
-        rc = run_boxed(main_job_command(optimizer, iterations, flags), deadline - time.monotonic(), part_log, env)
+        rc = run_boxed(main_job_command(optimizer, lr, iterations, flags), deadline - time.monotonic(), part_log, env)
         text = part_log.read_text(errors="replace")
         _append(log, text)
         seen = read_iterations(text)
@@ -267,6 +271,8 @@ def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[s
         losses = seen["loss"]
         runs.append(dict(
             name=name,
+            optimizer=optimizer,
+            lr=lr,
             rc=rc,
             iterations=len(seen["ms"]),
             median_ms=common.median(timed) if timed else None,
@@ -284,19 +290,21 @@ def main_job(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[s
         if rc != 0 or len(seen["ms"]) != iterations or not falls:
             runs[-1]["failure_text"] = text[-4000:]
             status = "failed"
-    # Every mode of Muon runs the same arithmetic: the same losses, as far as each run got.
-    muon = [r["losses"] for r in runs if r["name"] != "adam"]
-    same = all(losses == muon[0][: len(losses)] or muon[0] == losses[: len(muon[0])] for losses in muon)
+    # Every place of Muon's step runs the same arithmetic: at one learning rate, the same
+    # losses, as far as each run got.
+    same = True
+    for lr in MAIN_JOB_LRS:
+        muon = [r["losses"] for r in runs if r["optimizer"] == "muon" and r["lr"] == lr]
+        same &= all(losses == muon[0][: len(losses)] or muon[0] == losses[: len(muon[0])] for losses in muon)
     if not same:
         status = "failed"
-    mean_ms = {}
-    for name in dict.fromkeys(r["name"] for r in runs):
-        timed = [r["median_ms"] for r in runs if r["name"] == name and r["timed_iterations"] == MAIN_JOB_TIMED]
-        mean_ms[name] = sum(timed) / len(timed) if timed else None
-    whole, adam = mean_ms.get("muon"), mean_ms.get("adam")
-    return dict(status=status, model=" ".join(MAIN_JOB_MODEL), warmup=MAIN_JOB_WARMUP, runs=runs, mean_ms=mean_ms,
-                muon_over_adamw=whole / adam if whole and adam else None, muon_losses_same=same,
-                over_step_whole={n: ms / whole for n, ms in mean_ms.items() if n.startswith("muon, ") and ms and whole})  # fmt: skip
+    ms = {r["name"]: r["median_ms"] for r in runs if r["timed_iterations"] == MAIN_JOB_TIMED}
+    over_adamw = {lr: ms[f"muon, lr {lr}"] / ms[f"adam, lr {lr}"] for lr in MAIN_JOB_LRS
+                  if ms.get(f"muon, lr {lr}") and ms.get(f"adam, lr {lr}")}  # fmt: skip
+    whole = ms.get(f"muon, lr {MAIN_JOB_LRS[-1]}")
+    return dict(status=status, model=" ".join(MAIN_JOB_MODEL), warmup=MAIN_JOB_WARMUP, runs=runs, median_ms=ms,
+                muon_over_adamw=over_adamw, muon_losses_same=same,
+                over_step_whole={n: t / whole for n, t in ms.items() if n.endswith("step in the forward") and whole})  # fmt: skip
 
 
 def _append(log: Path, text: str) -> None:
@@ -432,10 +440,14 @@ def markdown(data: Dict[str, Any]) -> str:
                                    "max allocated MiB"],
                                   [[r["name"], r["iterations"], r["median_ms"], f"{r['first_loss']} -> {r['last_loss']}",
                                     r["max_allocated_mb"]] for r in runs])]  # fmt: skip
-        if job.get("muon_over_adamw"):
-            lines += ["", f"Muon / AdamW iteration time: {job['muon_over_adamw']:.3f}"]
+        over_adamw = job.get("muon_over_adamw")
+        if isinstance(over_adamw, dict):
+            for lr, ratio in over_adamw.items():
+                lines += ["", f"Muon / AdamW iteration time at lr {lr}: {ratio:.3f}"]
+        elif over_adamw:  # an older run's single ratio (--merge)
+            lines += ["", f"Muon / AdamW iteration time: {over_adamw:.3f}"]
         for name, ratio in job.get("over_step_whole", {}).items():
-            lines += ["", f"{name} / muon (step whole), iteration time, mean of its runs: {ratio:.3f}"]
+            lines += ["", f"{name} / the step whole at that rate, iteration time: {ratio:.3f}"]
         if "muon_losses_same" in job:
             lines += ["", f"Muon's runs logged {'the same' if job['muon_losses_same'] else 'DIFFERENT'} losses."]
     return "\n".join(lines) + "\n"

@@ -183,7 +183,9 @@ def _is_gemm(kernel: str) -> bool:
 
 def profile_kernels(step: Callable[[], Any]) -> Dict[str, Any]:
     """CUDA: one ``step()`` under ``torch.profiler``: its wall time, device time in GEMM
-    kernels and in the others, kernel launches, host-device syncs, the top kernels."""
+    kernels and in the others, the time the device did nothing (the wall time less the
+    union of the kernels' intervals: the host did not keep it busy), kernel launches,
+    host-device syncs, the top kernels."""
     import time
 
     from torch.profiler import ProfilerActivity, profile
@@ -196,11 +198,13 @@ def profile_kernels(step: Callable[[], Any]) -> Dict[str, Any]:
         wall = time.perf_counter() - start
     gemm = other = 0.0
     kernels: Counter = Counter()
+    intervals: List[Tuple[float, float]] = []
     launches = syncs = 0
     for evt in prof.events():
         name = evt.name
-        if evt.device_type == torch.autograd.DeviceType.CUDA:
-            us = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        if evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(evt, "is_user_annotation", False):
+            us = evt.time_range.end - evt.time_range.start
+            intervals.append((evt.time_range.start, evt.time_range.end))
             kernels[name] += us
             if _is_gemm(name):
                 gemm += us
@@ -212,11 +216,15 @@ def profile_kernels(step: Callable[[], Any]) -> Dict[str, Any]:
             name.startswith("cudaMemcpy") and "Async" not in name
         ):
             syncs += 1
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):  # the union: kernels on several streams overlap
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
     return dict(
         wall_ms=wall * 1e3,
         gemm_ms=gemm / 1e3,
         other_kernels_ms=other / 1e3,
-        idle_ms=max(wall * 1e3 - (gemm + other) / 1e3, 0.0),
+        idle_ms=max(wall * 1e3 - busy / 1e3, 0.0),
         launches=launches,
         syncs=syncs,
         top_kernels=[(k[:120], us / 1e3) for k, us in kernels.most_common(15)],
