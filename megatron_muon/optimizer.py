@@ -209,6 +209,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 for j in self.plan.jobs
                 if me in j.ns_ranks
             },
+            offloaded_masters=self.masters_offload,
         )
 
     def plan_statistics(self) -> Dict[str, object]:

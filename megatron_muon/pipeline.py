@@ -46,7 +46,7 @@ from .multirank_newton_schulz import multirank_newton_schulz
 from .newton_schulz import newton_schulz
 from .planner import ChunkMessages, Job, Piece
 from .process_groups import OrthoGroup
-from .state import MOMENTUM, SECOND_MOMENT, OwnerStates, ShardStates
+from .state import MOMENTUM, SECOND_MOMENT, OffloadedMasters, OwnerStates, ShardStates
 
 
 @dataclass
@@ -75,6 +75,8 @@ class MuonStep:
     cautious: bool
     device: Optional[torch.device]
     subgroups: Dict[Tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    offloaded_masters: Optional[OffloadedMasters] = None
+    """The fp32 masters in a CPU pool (``optimizer_cpu_offload``), or None."""
     """The process groups of the multi-rank jobs this rank takes part in."""
     measure_updates: bool = False
     """Whether this step sums the squares of its updates (``update_square_sum``): only when
@@ -176,12 +178,17 @@ def chunk_exchange(
 def apply_updates(step: MuonStep, msg: ChunkMessages, recv: torch.Tensor, lr_wd: Sequence[Tuple[float, float]]) -> None:
     """:func:`decay_and_update_` of every received piece into its fp32 master range; the
     pieces of one (learning rate, weight decay) as one ``_foreach`` op each (cautious weight
-    decay and a CPU-offloaded master: piece by piece). The update stays in the wire dtype:
-    the ops promote it to fp32 (exactly) as they read it, which saves an fp32 copy."""
+    decay: piece by piece). CPU-offloaded masters get the chunk's updates in one copy to
+    pinned host memory. The update stays in the wire dtype: the ops promote it to fp32
+    (exactly) as they read it, which saves an fp32 copy."""
     groups: Dict[Tuple[float, float], Tuple[List[torch.Tensor], List[torch.Tensor]]] = defaultdict(lambda: ([], []))
+    host = None
     for p, s, e, offset in msg.scatter_apply:
-        master, update = step.masters[p][s:e], recv[offset : offset + e - s]
-        if step.cautious or master.device != update.device:
+        master = step.masters[p][s:e]
+        if master.device != recv.device and host is None:  # CPU-offloaded masters
+            host = step.offloaded_masters.updates_to_host(recv) if step.offloaded_masters else recv.cpu()
+        update = (recv if master.device == recv.device else host)[offset : offset + e - s]
+        if step.cautious:
             decay_and_update_(master, update, *lr_wd[p], step.cautious)
         else:
             groups[lr_wd[p]][0].append(master)
@@ -194,8 +201,8 @@ def apply_updates(step: MuonStep, msg: ChunkMessages, recv: torch.Tensor, lr_wd:
 
 def decay_and_update_(master: torch.Tensor, update: torch.Tensor, lr: float, wd: float, cautious: bool) -> None:
     """``w -= lr * wd * w`` (cautious: only where ``update * w >= 0``, ``w`` before the
-    step), then ``w -= lr * update``, in place on a range of an fp32 master."""
-    update = update.to(master.device)  # a CPU-offloaded master: the update comes over
+    step), then ``w -= lr * update``, in place on a range of an fp32 master (``update`` on
+    its device)."""
     if wd != 0.0:
         if cautious:
             master.sub_(master * ((update * master) >= 0), alpha=lr * wd)

@@ -355,10 +355,50 @@ class OffloadedMasters:
             self.views.append(view)
             offset += master.numel()
         self._placeholder = torch.zeros(1, dtype=torch.float32, device=device)
+        self._pinned: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
 
     @property
     def pool_bytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
+
+    def _host_buffer(self, use: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A reused host buffer of at least ``numel`` elements (pinned with CUDA, so that
+        copies to and from the device run at the link's rate and do not stage through a
+        pageable temporary)."""
+        buffer = self._pinned.get((use, dtype))
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
+            self._pinned[(use, dtype)] = buffer
+        return buffer[:numel]
+
+    def updates_to_host(self, updates: torch.Tensor) -> torch.Tensor:
+        """A chunk's received updates (on the device, in the wire dtype) on the host, where
+        the masters are updated: one copy into a pinned buffer, waited for (the buffer is
+        reused by the next chunk, whose update runs after this one's)."""
+        if updates.device.type == "cpu":
+            return updates
+        host = self._host_buffer("updates", updates.numel(), updates.dtype)
+        host.copy_(updates, non_blocking=True)
+        torch.cuda.current_stream(updates.device).synchronize()
+        return host
+
+    @contextmanager
+    def in_model_dtype(self, dtype: torch.dtype) -> Iterator[None]:
+        """Every master's values rounded to the model's ``dtype`` in a pinned host pool while
+        Megatron copies the masters into the model's parameters: its copy is then one
+        same-dtype copy from pinned memory per parameter (a cross-dtype copy from the host
+        would round into a pageable temporary first). The rounding is the copy's own."""
+        staging = self._host_buffer("model", self.pool.numel(), dtype)
+        staging.copy_(self.pool)
+        offset = 0
+        for master in self.masters:
+            master.data = staging[offset : offset + master.numel()]
+            offset += master.numel()
+        try:
+            yield
+        finally:
+            for master, view in zip(self.masters, self.views):
+                master.data = view
 
     def in_pool(self) -> bool:
         """Whether every master's values are its pool view now (between and during steps)."""

@@ -125,13 +125,18 @@ class DistributedOptimizerStorage(StorageBackend):
         return DistributedOptimizer._collect_main_grad_data_for_unscaling(self.opt)
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
-        """Megatron's copy; for a subset of the parameters, the same copy of each into its
-        range of the bucket's parameter buffer (what Megatron's all-gather then sends).
+        """Megatron's copy (CPU-offloaded masters from a pinned pool in the model's dtype:
+        ``OffloadedMasters.in_model_dtype``); for a subset of the parameters, the same copy
+        of each into its range of the bucket's parameter buffer (what Megatron's all-gather
+        then sends).
         Megatron has no per-parameter copy; the subset path is its plain (unquantized) one,
         so the step overlap that uses it is refused with FP8 / FP4 parameter gathers."""
         opt = self.opt
         if params is None:
-            DistributedOptimizer._copy_main_params_to_model_params(opt)
+            offload = opt.masters_offload
+            dtype = next((p.dtype for group in opt.model_float16_groups for p in group), None)
+            with offload.in_model_dtype(dtype) if offload is not None and dtype else contextlib.nullcontext():
+                DistributedOptimizer._copy_main_params_to_model_params(opt)
             return
         groups = zip(
             opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups, opt.model_float16_groups + opt.model_fp32_groups

@@ -117,7 +117,16 @@ def _train_step(name, built, tokens, mbs, spec, device) -> tuple:
 
 
 def _time_peers(
-    names: List[str], spec, tokens, mbs: int, steps: int, warmup: int, device: str, interleave: bool, hyper
+    names: List[str],
+    spec,
+    tokens,
+    mbs: int,
+    steps: int,
+    warmup: int,
+    device: str,
+    interleave: bool,
+    hyper,
+    trace_dir: Optional[str] = None,
 ) -> Dict[str, Dict[str, Any]]:
     """Step times, bytes per step and optimizer memory of every peer. Interleaved, every
     peer is built first and the peers take turns step by step, so load from other
@@ -153,7 +162,10 @@ def _time_peers(
             if device == "cuda":
                 _forward_backward(model, opt, tokens, mbs, spec)
                 kernels = step_overhead.profile_kernels(opt.step)
-                kernels.pop("trace")
+                trace = kernels.pop("trace")
+                if trace_dir and common.is_main_process():
+                    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+                    trace.export_chrome_trace(str(Path(trace_dir) / f"step_{n}.json"))
                 results[n]["kernels"] = kernels
             results[n].update(
                 step_bytes=dict(step_traffic.bytes),
@@ -279,6 +291,7 @@ def rank_main(
     probe_layers: Optional[int],
     interleave: bool = True,
     chunk_numel: Optional[int] = None,
+    trace_dir: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Everything this rank measures, for every peer in ``names``."""
     import torch
@@ -294,7 +307,7 @@ def rank_main(
         tp=parallel_state.get_tensor_model_parallel_rank(),
         dp=parallel_state.get_data_parallel_rank(),
         timing=_time_peers(
-            names, spec, tokens, mbs, steps, warmup, device, interleave, peers.Hyper(chunk_numel=chunk_numel)
+            names, spec, tokens, mbs, steps, warmup, device, interleave, peers.Hyper(chunk_numel=chunk_numel), trace_dir
         ),
         probe={},
         attention=peers.attention_dims(M.transformer_config(spec)),
@@ -764,6 +777,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="our pipeline's chunk size in matrix elements (default: MuonConfig's); small chunks show "
         "the offload's per-chunk bound on the device-resident momentum",
     )
+    p.add_argument(
+        "--trace-dir", type=Path, help="CUDA: write each peer's profiled step as a Chrome trace (step_PEER.json) here"
+    )
     p.add_argument("--out", type=Path, default=common.DEFAULT_OUT)
     p.add_argument("--name", default="optimizer_step", help="output file name (without extension)")
     return p.parse_args(argv)
@@ -803,6 +819,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
         probe_layers,
         interleave,
         args.muon_chunk_numel,
+        str(args.trace_dir) if args.trace_dir else None,
         device=device,
         tp=tp,
     )
