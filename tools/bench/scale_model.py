@@ -169,6 +169,16 @@ SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
         Cluster(gpus=2048, tp=1, pp=16, ep=64),
         "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2",
     ),
+    "deepseek_v3_gram": (
+        "deepseek_v3",
+        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"),)),
+        "the same layout with Gram Newton–Schulz where the aspect ratio pays (muon_ns_method='auto')",
+    ),
+    "deepseek_v3_glu": (
+        "deepseek_v3",
+        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_split_glu", True),)),
+        "the same layout with the gate and up halves of every gated fc1 as two matrices (muon_split_glu)",
+    ),
     "deepseek_v3_gram_glu": (
         "deepseek_v3",
         Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"), ("muon_split_glu", True))),
