@@ -44,7 +44,7 @@ from megatron.core.optimizer.param_layout import (
 )
 
 from .config import MuonConfig
-from .newton_schulz import newton_schulz_flops
+from .newton_schulz import method_for_device, newton_schulz_flops
 from .process_groups import gpus_per_node as local_gpus_per_node
 from .process_groups import parallel_groups
 
@@ -106,7 +106,8 @@ def owner_aligned_param_layout(
         return etp_size if not getattr(param, "allreduce", True) else tp_size
 
     muon_params, _ = collect_muon_params([model_chunk], config, tp_size_of)
-    flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps, config.muon_ns_method) for mp in muon_params}
+    method = method_for_device(config.muon_ns_method, muon_params[0].param.device if muon_params else None)
+    flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps, method) for mp in muon_params}
     tag_muon_params(flops)
     params = [p for p in model_chunk.parameters() if p.requires_grad]
     return compute_full_param_layout(

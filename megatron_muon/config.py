@@ -77,7 +77,8 @@ class MuonConfig(OptimizerConfig):
     ``muon_ns_dtype`` it computes in fp16, whose range its bounded values fit and whose
     precision keeps it as close to fp32 as bf16 standard NS) or 'auto' (Gram for
     matrices with aspect ratio >= ``newton_schulz.GRAM_MIN_ASPECT``, standard
-    otherwise). See ``megatron_muon.newton_schulz``."""
+    otherwise; on a CPU, whose fp16 products are slow, standard throughout). See
+    ``megatron_muon.newton_schulz``."""
 
     muon_use_torch_compile: bool = False
     """Run the Newton–Schulz kernel through ``torch.compile`` (compiled on first use per

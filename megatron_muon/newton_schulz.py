@@ -37,6 +37,7 @@ __all__ = [
     "NS_METHODS",
     "choose_method",
     "gram_dtype",
+    "method_for_device",
     "newton_schulz",
     "newton_schulz_flops",
     "resolve_coefficients",
@@ -261,6 +262,16 @@ def choose_method(m: int, n: int, method: str = "auto") -> str:
     if method != "auto":
         return method
     return "gram" if max(m, n) >= GRAM_MIN_ASPECT * min(m, n) else "standard"
+
+
+def method_for_device(method: str, device: Optional[torch.device]) -> str:
+    """The iteration ``method`` means on ``device``: ``"auto"`` runs Gram NS only where
+    16-bit matrix products are fast (an accelerator); on a CPU, which has no fp16 matrix
+    instructions (fp16 products there run two orders of magnitude below bf16's), it is
+    ``"standard"``. Explicit methods are kept."""
+    if method == "auto" and device is not None and torch.device(device).type == "cpu":
+        return "standard"
+    return method
 
 
 def newton_schulz(

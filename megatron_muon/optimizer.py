@@ -41,7 +41,7 @@ from torch.profiler import record_function
 
 from .config import MuonConfig, update_scale
 from .matrices import MuonParam, unwrap
-from .newton_schulz import resolve_coefficients
+from .newton_schulz import method_for_device, resolve_coefficients
 from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
 from .pipeline import MuonStep, advance_momentum, chunk_exchange, chunk_update, drive
 from .planner import Plan, plan_for_config, plan_statistics, rank_messages
@@ -139,6 +139,10 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         """Where the masters, gradients and parameters live (the data-parallel engine's)."""
         self.shard_map = self.storage.shard_map
         """Who holds which range of every parameter, and this rank's fp32 masters."""
+        self.ns_method = method_for_device(
+            config.muon_ns_method, self.muon_params[0].param.device if self.muon_params else None
+        )
+        """The Newton–Schulz iteration on this device (``muon_ns_method`` 'auto' is standard on a CPU)."""
         self.plan = self._plan(tp_group, owner_aligned)
         self.muon = self._muon_step()
 
@@ -153,7 +157,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                     "model chunk in megatron.core.distributed.DistributedDataParallel before building the optimizer."
                 )
         dp_ranges = {i: self.shard_map[mp.param].dp_ranges for i, mp in enumerate(self.muon_params)}
-        plan = plan_for_config(self.config, self.muon_params, dp_ranges, group, owner_aligned)
+        plan = plan_for_config(self.config, self.muon_params, dp_ranges, group, owner_aligned, self.ns_method)
         if group.size > 1:
             prints = [None] * group.size
             dist.all_gather_object(prints, plan.fingerprint(), group=group.group)
@@ -197,7 +201,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             ns_steps=cfg.muon_num_ns_steps,
             coefficients=cfg.muon_coefficient_type,
             ns_dtype=cfg.muon_ns_dtype,
-            ns_method=cfg.muon_ns_method,
+            ns_method=self.ns_method,
             compiled=cfg.muon_use_torch_compile,
             schedule=resolve_coefficients(cfg.muon_coefficient_type).schedule(cfg.muon_num_ns_steps),
             comm_dtype=cfg.comm_dtype,

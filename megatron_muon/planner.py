@@ -280,9 +280,12 @@ def plan_for_config(
     dp_ranges: Dict[int, Sequence[Tuple[int, int]]],
     group: OrthoGroup,
     owner_aligned: bool = False,
+    ns_method: Optional[str] = None,
 ) -> Plan:
     """:func:`build_plan` with every setting from a ``MuonConfig`` (the one way the
-    optimizer, the shape-only plans and the scale model build a plan)."""
+    optimizer, the shape-only plans and the scale model build a plan); ``ns_method``: the
+    iteration the step runs on its device (``newton_schulz.method_for_device``), default
+    the config's."""
     return build_plan(
         params,
         dp_ranges,
@@ -291,7 +294,7 @@ def plan_for_config(
         config.muon_num_ns_steps,
         config.muon_chunk_numel,
         owner_aligned=owner_aligned,
-        ns_method=config.muon_ns_method,
+        ns_method=ns_method or config.muon_ns_method,
         ns_max_ranks=config.muon_ns_max_ranks,
         cost=MultirankCost(config.muon_ns_intra_node_flops_per_byte, config.muon_ns_inter_node_flops_per_byte),
     )

@@ -381,6 +381,18 @@ def test_auto_method_by_aspect_ratio():
         newton_schulz(G, 5, method="fast")
 
 
+def test_auto_is_standard_on_a_cpu_device_only():
+    """A CPU has no fp16 matrix instructions, so 'auto' runs standard NS there (the
+    optimizer resolves it for its device); explicit methods are kept everywhere."""
+    from megatron_muon.newton_schulz import method_for_device
+
+    assert method_for_device("auto", torch.device("cpu")) == "standard"
+    assert method_for_device("auto", torch.device("cuda", 0)) == "auto"
+    assert method_for_device("auto", None) == "auto"  # no device: the aspect rule (the scale model's GPUs)
+    assert method_for_device("gram", torch.device("cpu")) == "gram"
+    assert method_for_device("standard", torch.device("cuda")) == "standard"
+
+
 def test_gram_flops():
     k, l = 64, 320
     # Segments of 3 and 2 steps: each reads X twice (2 k^2 l each) and does 4L - 3 square products.
