@@ -8,11 +8,14 @@ maths happens, on every rank of the orthogonalization group:
 2. **gather**: pack this rank's pieces, ordered by owner, and start one
    ``all_to_all_single`` that delivers each piece to the rank that orthogonalizes its
    matrix; *yield* while it travels;
-3. **Newton–Schulz** on the owner: assemble every owned matrix from its TP x DP pieces,
-   orthogonalize same shapes as one batched call (a matrix planned over several ranks with
-   them: ``multirank_newton_schulz``), variance reduction if on, times the update scale;
-4. **scatter**: cut every result into the holders' pieces and start the reverse
-   ``all_to_all_single``; *yield* while it travels;
+3. **Newton–Schulz** on the owner: the owned matrices of one shape as one batched call
+   (``planner.Stack``; a matrix planned over several ranks with them:
+   ``multirank_newton_schulz``), variance reduction if on, times the update scale. Where a
+   stack arrives whole and in order it is read in place from the receive buffer and its
+   update written in place into the send buffer; otherwise each matrix is assembled from
+   its TP x DP pieces and its update cut back into them;
+4. **scatter**: start the reverse ``all_to_all_single`` of the update pieces; *yield*
+   while it travels;
 5. **decay and update** of each arriving piece's fp32 master range:
    ``w -= lr * wd * w`` (cautious: only where ``update * w >= 0``), ``w -= lr * update``.
 
