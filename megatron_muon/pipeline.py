@@ -78,9 +78,9 @@ class MuonStep:
     cautious: bool
     device: Optional[torch.device]
     subgroups: Dict[Tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    """The process groups of the multi-rank jobs this rank takes part in."""
     offloaded_masters: Optional[OffloadedMasters] = None
     """The fp32 masters in a CPU pool (``optimizer_cpu_offload``), or None."""
-    """The process groups of the multi-rank jobs this rank takes part in."""
     measure_updates: bool = False
     """Whether this step sums the squares of its updates (``update_square_sum``): only when
     a logger asked for the update RMS."""
