@@ -71,14 +71,14 @@ class MuonConfig(OptimizerConfig):
     muon_ns_dtype: torch.dtype = torch.bfloat16
     """Compute dtype of Newton–Schulz (bf16 by default; fp32 for exactness checks)."""
 
-    muon_ns_method: str = "standard"
+    muon_ns_method: str = "auto"
     """Newton–Schulz iteration: 'standard' (on the matrix X), 'gram' (on the small Gram
     matrix X X^T, restarted midway; fewer FLOPs for wide matrices; with a 16-bit
     ``muon_ns_dtype`` it computes in fp16, whose range its bounded values fit and whose
-    precision keeps it as close to fp32 as bf16 standard NS) or 'auto' (Gram for
-    matrices with aspect ratio >= ``newton_schulz.GRAM_MIN_ASPECT``, standard
-    otherwise; on a CPU, whose fp16 products are slow, standard throughout). See
-    ``megatron_muon.newton_schulz``."""
+    precision keeps it closer to float64 than bf16 standard NS) or 'auto' (the default:
+    Gram for matrices with aspect ratio >= ``newton_schulz.GRAM_MIN_ASPECT``, standard
+    otherwise; on a CPU, whose fp16 products are slow, standard throughout). The default
+    by evidence: docs/study.md, "Newton–Schulz defaults". See ``megatron_muon.newton_schulz``."""
 
     muon_use_torch_compile: bool = False
     """Run the Newton–Schulz kernel through ``torch.compile`` (compiled on first use per
@@ -191,7 +191,11 @@ class MuonConfig(OptimizerConfig):
     part of each head)."""
 
     muon_split_glu: bool = False
-    """Orthogonalize the gate and up halves of a gated ``linear_fc1`` as separate matrices."""
+    """Orthogonalize the gate and up halves of a gated ``linear_fc1`` as separate matrices.
+    The loss is the same within the seeds' spread either way (docs/study.md, "Newton–Schulz
+    defaults"); the step's time is not: halves of aspect >= 3 take Gram NS ('auto'), which
+    makes DeepSeek-V3's experts' step about half (the deepseek_v3 recipe sets it), while a
+    dense model whose halves stay below 3 pays more standard FLOPs for them."""
 
     muon_router_optimizer: str = "adam"
     """Optimizer of the MoE router weight: 'adam' (default) or 'muon'."""

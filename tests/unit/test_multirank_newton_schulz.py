@@ -30,8 +30,12 @@ FREE = dict(muon_ns_intra_node_flops_per_byte=0.0, muon_ns_inter_node_flops_per_
 
 
 def _plan(shapes, hidden, dp, gpus_per_node=None, **cfg):
+    """The plan with standard Newton–Schulz on one rank (what these cases were priced
+    against; Gram NS by aspect ratio, the default on a GPU, makes the wide ones cheaper)."""
     model = SimpleNamespace(gated_linear_unit=False, hidden_size=hidden)
-    return synthetic_plan(shapes, model, MuonConfig(lr=1e-3, **cfg), 1, dp, gpus_per_node)
+    return synthetic_plan(
+        shapes, model, MuonConfig(lr=1e-3, **{"muon_ns_method": "standard", **cfg}), 1, dp, gpus_per_node
+    )
 
 
 def _bound(plan, cost: MultirankCost) -> float:

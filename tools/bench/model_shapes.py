@@ -51,6 +51,9 @@ class ModelShape:
     v_head_dim: int = 0
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
+    split_glu: bool = False
+    """The recipe's ``muon_split_glu``: the gate and up halves of a gated fc1 are Muon
+    matrices of their own (a setting of the optimizer that changes its matrices' shapes)."""
 
     @property
     def tokens_per_step(self) -> int:
@@ -146,6 +149,7 @@ def from_recipe(recipe: str, gpus: int, tp: int, pp: int, ep: int, etp: Optional
         v_head_dim=args.v_head_dim,
         first_stage_layers=args.decoder_first_pipeline_num_layers,
         last_stage_layers=args.decoder_last_pipeline_num_layers,
+        split_glu=bool(getattr(args, "muon_split_glu", False)),
     )
 
 

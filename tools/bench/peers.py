@@ -15,9 +15,9 @@ clipping):
   ``blockwise`` and ``duplicated``; ``ours_exact_offload`` is exact with
   ``muon_cpu_offload`` (the momentum in a CPU pool, streamed to the device per chunk) and
   Megatron's ``optimizer_cpu_offload`` (the Muon matrices' fp32 masters in a CPU pool);
-  ``ours_exact_auto`` runs Gram Newton–Schulz where the aspect ratio favours it
-  (``muon_ns_method='auto'``), ``ours_exact_auto_split`` also orthogonalizes the gate and up
-  halves of a gated fc1 apart (``muon_split_glu``);
+  ``ours_exact_standard`` runs standard Newton–Schulz on every matrix (the iteration
+  Megatron-core's Muon runs; the default, ``muon_ns_method='auto'``, takes Gram NS on a GPU
+  where the aspect ratio favours it);
 * ``megatron_adamw_fsdp`` and ``ours_exact_fsdp`` - the same two on Megatron-FSDP with
   ``optim_grads_params`` (ZeRO-3: parameters, gradients and optimizer state sharded over DP).
 
@@ -44,8 +44,7 @@ PEERS = (
     "ours_blockwise",
     "ours_duplicated",
     "ours_exact_offload",
-    "ours_exact_auto",
-    "ours_exact_auto_split",
+    "ours_exact_standard",
     "ours_exact_megatron_layout",
     "megatron_adamw_fsdp",
     "ours_exact_fsdp",
@@ -61,8 +60,7 @@ LABELS = {
     "ours_blockwise": "megatron_muon, blockwise",
     "ours_duplicated": "megatron_muon, duplicated",
     "ours_exact_offload": "megatron_muon, exact + CPU offload",
-    "ours_exact_auto": "megatron_muon, exact, Gram NS by aspect ratio",
-    "ours_exact_auto_split": "megatron_muon, exact, Gram NS by aspect ratio, gate and up apart",
+    "ours_exact_standard": "megatron_muon, exact, standard NS on every matrix",
     "ours_exact_megatron_layout": "megatron_muon, exact, Megatron's byte-level buffers",
     "megatron_adamw_fsdp": "Megatron-FSDP + AdamW",
     "ours_exact_fsdp": "megatron_muon, exact, on Megatron-FSDP",
@@ -182,10 +180,8 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         layout = "megatron" if name.endswith("_megatron_layout") else "owner_aligned"
         chunking = {} if hyper.chunk_numel is None else dict(muon_chunk_numel=hyper.chunk_numel)
         offload = name.endswith("_offload")
-        if "_auto" in name:
-            chunking["muon_ns_method"] = "auto"
-        if name.endswith("_split"):
-            chunking["muon_split_glu"] = True
+        if name.endswith("_standard"):
+            chunking["muon_ns_method"] = "standard"
         cfg = MuonConfig(
             muon_tp_mode=_tp_mode(name),
             muon_momentum=hyper.momentum,

@@ -136,17 +136,21 @@ class Cluster:
             return None
         return max(40_000_000, 1_000_000 * self.dp)
 
-    def muon_config(self, **kwargs):
-        """The run's ``MuonConfig``: defaults, then :attr:`muon`, then ``kwargs``."""
+    def muon_config(self, model, **kwargs):
+        """The run's ``MuonConfig``: defaults, then the recipe's (``model.split_glu``), then
+        :attr:`muon`, then ``kwargs``."""
         from megatron_muon import MuonConfig
 
-        return MuonConfig(lr=1e-3, **{**dict(self.muon), **kwargs})
+        return MuonConfig(lr=1e-3, **{"muon_split_glu": model.split_glu, **dict(self.muon), **kwargs})
 
     def node(self, index: int) -> int:
         return index // self.gpus_per_node
 
-    def describe(self) -> str:
-        muon = "".join(f", {k}={v}" for k, v in self.muon)
+    def describe(self, model=None) -> str:
+        """The cluster and layout, with the Muon settings that differ from MuonConfig's
+        defaults (the recipe's, then this run's)."""
+        settings = {**({"muon_split_glu": True} if model is not None and model.split_glu else {}), **dict(self.muon)}
+        muon = "".join(f", {k}={v}" for k, v in settings.items())
         return (
             f"{self.gpus} GPUs ({self.gpus // self.gpus_per_node} nodes of {self.gpus_per_node}): TP{self.tp} x "
             f"PP{self.pp} x DP{self.dp}; experts EP{self.ep} x ETP{self.etp} x EDP{self.edp}{muon}"
@@ -167,23 +171,13 @@ SCENARIOS: Dict[str, Tuple[str, Cluster, str]] = {
     "deepseek_v3": (
         "deepseek_v3",
         Cluster(gpus=2048, tp=1, pp=16, ep=64),
-        "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2",
+        "DeepSeek-V3's own: PP16 x EP64, no TP, ZeRO-1 DP128 / expert DP2; the recipe's Muon (gate and up "
+        "apart, muon_split_glu)",
     ),
-    "deepseek_v3_gram": (
+    "deepseek_v3_fused_glu": (
         "deepseek_v3",
-        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"),)),
-        "the same layout with Gram Newton–Schulz where the aspect ratio pays (muon_ns_method='auto')",
-    ),
-    "deepseek_v3_glu": (
-        "deepseek_v3",
-        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_split_glu", True),)),
-        "the same layout with the gate and up halves of every gated fc1 as two matrices (muon_split_glu)",
-    ),
-    "deepseek_v3_gram_glu": (
-        "deepseek_v3",
-        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_ns_method", "auto"), ("muon_split_glu", True))),
-        "the same layout with two non-default Muon settings: Gram Newton–Schulz where the aspect ratio pays "
-        "(muon_ns_method='auto') and the gate and up halves of every gated fc1 as two matrices (muon_split_glu)",
+        Cluster(gpus=2048, tp=1, pp=16, ep=64, muon=(("muon_split_glu", False),)),
+        "the same layout with gate and up as one matrix (MuonConfig's default, not the recipe's)",
     ),
 }
 
@@ -305,6 +299,7 @@ def _our_costs(
     # Multi-rank Newton–Schulz is priced at this cluster's rates.
     flop_rate = c.peak_tflops * 1e12 * c.ns_efficiency
     cfg = c.muon_config(
+        m,
         muon_tp_mode=mode,
         muon_ns_intra_node_flops_per_byte=flop_rate / (c.intra_gbps * 1e9 * c.link_efficiency),
         muon_ns_inter_node_flops_per_byte=flop_rate / (c.inter_gbps * 1e9 * c.link_efficiency),
@@ -350,7 +345,7 @@ def _owner_aligned_layout(params: List[S.StageParam], m, c: Cluster, bucket: Opt
     """Our owner-aligned layout (``megatron_muon.buffer_layout``) of the stage's params."""
     from megatron_muon.buffer_layout import compute_full_param_layout, muon_param_flops, tag_muon_params
 
-    cfg = c.muon_config()
+    cfg = c.muon_config(m)
     flops = {}
     for sp in params:
         if hasattr(sp.param, "is_managed_by_layer_wise_optimizer"):
@@ -561,7 +556,7 @@ def predict(m: S.ModelShape, c: Cluster) -> Dict[str, Any]:
         model_flops=m.model_flops,
         train_step_ms=train_step_s * 1e3,
         cluster=asdict(c),
-        layout=c.describe(),
+        layout=c.describe(m),
         schemes=rows,
         exposed=dict(
             exposed_step.exposure(per_stage["ours_exact"], train_step_s * 1e3, microbatches, c.mfu, c.ns_efficiency),
@@ -585,6 +580,8 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
     """Model the tiny model of an ``optimizer_step.py`` result and compare the bytes per
     collective kind (mean per rank and step) inside ``optimizer.step()``, and DDP's
     reduce-scatter of the train step, with what was counted."""
+    from megatron_muon.newton_schulz import method_for_device
+
     lay = measured["layout"]
     m = S.from_tiny(measured["model_spec"], measured["gbs"])
     c = Cluster(
@@ -593,6 +590,9 @@ def validate(measured: Dict[str, Any]) -> Dict[str, Any]:
         gpus_per_node=max(lay["world"], 1),
         overlap_grad_reduce=False,
         microbatches=measured["gbs"] // (measured["mbs"] * lay["dp"]),
+        # The plan's cost weights depend on the iteration the counted run resolved ('auto' is
+        # standard on a CPU), and with them which rank orthogonalizes what.
+        muon=(("muon_ns_method", method_for_device("auto", measured["env"]["device"])),),
     )
     costs = stage_costs(m, c, 0)
     rows, worst = [], 0.0
@@ -718,7 +718,7 @@ def markdown(data: Dict[str, Any]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="accepted for run_all (the model is fast)")
-    p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="default: all three")
+    p.add_argument("--scenario", action="append", choices=sorted(SCENARIOS), help="default: all of them")
     p.add_argument("--recipe", help="a custom run: recipe name or path (with --gpus and the layout flags)")
     p.add_argument("--gpus", type=int)
     for flag in ("tp", "pp", "ep", "etp", "gpus-per-node"):
