@@ -14,25 +14,19 @@ objects it just made (never of a class: a checkpoint cannot reconfigure the proc
 bounds the size and nesting of what it builds while it builds it (a few hundred bytes of
 pickle cannot make a reader hash or print for ever); anything else is refused before it
 happens, raising :class:`UnsafeCheckpointError` naming it.
-:func:`restricted_unpickling` routes torch's and Megatron-core's readers through it while a
-checkpoint is read; :func:`unpickling_patches` does the same for a whole Megatron-LM job.
+``checkpoint.reading`` routes torch's and Megatron-core's readers through it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import functools
 import io
-import os
 import pickle
-import threading
 import types
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-import torch
-
-from .errors import CheckpointError, RefusedUnpickling, UnsafeCheckpointError
+from .errors import ReadStopped, UnsafeCheckpointError
 
 ALLOWED: Dict[str, Tuple[str, ...]] = {
     "torch's tensors, storages and their metadata": (
@@ -110,8 +104,10 @@ def allowed(module: str, name: str) -> Any:
         for part in name.split("."):
             target = getattr(target, part)
         return target
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
+    if module == "torch":
+        import torch  # here: reading a lock or a manifest needs no torch
+
+        return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else None
     if module.startswith(_ENUM_MODULES) and "." not in name:
         value = getattr(importlib.import_module(module), name, None)
         # One of Megatron-core's own enums, not one it imported (``enum.Enum`` itself).
@@ -150,7 +146,7 @@ class RestrictedUnpickler(pickle._Unpickler):  # noqa: SLF001 (the Python one: i
       :data:`MAX_DEPTH`. A container is not changed once it has been put into another, so
       the counts stay exact (and no cycle can form).
 
-    A refusal is a :class:`RefusedUnpickling` (a ``BaseException``: torch's readers swallow
+    A refusal is a :class:`ReadStopped` (a ``BaseException``: torch's readers swallow
     an ``Exception`` there) carrying one line that names what was refused."""
 
     where = "the checkpoint"
@@ -183,13 +179,13 @@ class RestrictedUnpickler(pickle._Unpickler):  # noqa: SLF001 (the Python one: i
     def find_class(self, module: str, name: str) -> Any:
         value = allowed(module, name)
         if value is None:  # a BaseException: torch's readers swallow an Exception here
-            raise RefusedUnpickling(refused(f"{module}.{name}", self.where))
+            raise ReadStopped(refused(f"{module}.{name}", self.where))
         if isinstance(value, type):
             self._classes.append(value)
         return value
 
     def _refuse(self, what: str) -> None:
-        raise RefusedUnpickling(
+        raise ReadStopped(
             UnsafeCheckpointError(
                 f"{self.where} holds {what}, which no checkpoint of Megatron-LM or megatron_muon holds: refused "
                 "without loading it (reading it could change this process's classes, or never end); use a "
@@ -348,146 +344,23 @@ def _restricted_pickle_module(where: str) -> types.ModuleType:
     return module
 
 
-def _load_pickle(file, where: str) -> Any:
-    unpickler = RestrictedUnpickler(file)
-    unpickler.where = where
-    return unpickler.load()
-
-
-def _torch_load(file, where: str) -> Any:
-    return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle_module(where))
-
-
 def load_pickle(file, where: str) -> Any:
     """A plain pickle (torch DCP's ``.metadata``) from the open binary ``file``; raises
-    :class:`UnsafeCheckpointError` naming a refused type."""
+    :class:`UnsafeCheckpointError` naming what it refused."""
+    unpickler = RestrictedUnpickler(file)
+    unpickler.where = where
     try:
-        return _load_pickle(file, where)
-    except RefusedUnpickling as refusal:
+        return unpickler.load()
+    except ReadStopped as refusal:
         raise refusal.error from None
 
 
 def torch_load(file, where: str) -> Any:
-    """``torch.load`` of a file name or binary stream (on the CPU), restricted; raises
-    :class:`UnsafeCheckpointError` naming a refused type."""
+    """``torch.load`` of a binary stream (on the CPU), restricted; raises
+    :class:`UnsafeCheckpointError` naming what it refused."""
+    import torch
+
     try:
-        return _torch_load(file, where)
-    except RefusedUnpickling as refusal:
+        return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle_module(where))
+    except ReadStopped as refusal:
         raise refusal.error from None
-
-
-def read_dcp_metadata(checkpoint_dir: str):
-    """torch DCP's ``.metadata`` of ``checkpoint_dir`` (every stored item, its global shape
-    and where it lies), read through :class:`RestrictedUnpickler`; an unreadable one is a
-    :class:`CheckpointError` (a refused type, an :class:`UnsafeCheckpointError`)."""
-    path = os.path.join(checkpoint_dir, ".metadata")
-    try:
-        with open(path, "rb") as f:
-            return load_pickle(f, path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # a missing, truncated or foreign file: the same user error
-        raise CheckpointError(f"{checkpoint_dir} is not a torch_dist or fsdp_dtensor checkpoint ({e})") from e
-
-
-# ---------------------------------------------------------------------------------------
-# torch's and Megatron-core's checkpoint readers, restricted
-# ---------------------------------------------------------------------------------------
-
-
-_RESTRICTED = "__megatron_muon_restricted__"
-"""Marks a reader replaced here (``__wrapped__`` alone would not: any ``functools.wraps``
-decorator of torch's sets it, and the patch would then be skipped)."""
-
-
-def _restricted(replacement, original):
-    replacement.__wrapped__ = original
-    setattr(replacement, _RESTRICTED, True)
-    return replacement
-
-
-def _read_metadata(original):
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as file:
-            metadata = _load_pickle(file, str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    return _restricted(read_metadata, original)
-
-
-def _load_bytes(original):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        where = f"the stored object {read_item.dest_index.fqn}"
-        obj = _torch_load(value, where)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-    return _restricted(load_bytes, original)
-
-
-def _load_common(original):
-    def load_common(checkpoint_dir):
-        path = os.path.join(str(checkpoint_dir), "common.pt")
-        return _torch_load(path, path)
-
-    return _restricted(load_common, original)
-
-
-def unpickling_patches() -> List[Tuple[Any, str, Any, Any]]:
-    """``(owner, name, original, replacement)`` for every checkpoint reader that unpickles:
-    torch DCP's ``FileSystemReader.read_metadata`` and ``DefaultLoadPlanner.load_bytes``,
-    Megatron-core's legacy ``load_common`` (``common.pt``)."""
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies import common
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    out = []
-    for owner, name, wrap in (
-        (FileSystemReader, "read_metadata", _read_metadata),
-        (DefaultLoadPlanner, "load_bytes", _load_bytes),
-        (common, "load_common", _load_common),
-        (serialization, "load_common", _load_common),
-    ):
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        if not getattr(original, _RESTRICTED, False):
-            out.append((owner, name, original, wrap(original)))
-    return out
-
-
-_lock = threading.RLock()
-_depth = 0
-_installed: List[Tuple[Any, str, Any, Any]] = []
-
-
-@contextlib.contextmanager
-def restricted_unpickling() -> Iterator[None]:
-    """Inside the block, every checkpoint read of torch DCP and Megatron-core unpickles
-    through :class:`RestrictedUnpickler` (reentrant; a no-op where the patches are already
-    installed for the whole job)."""
-    global _depth, _installed
-    with _lock:
-        if _depth == 0:
-            _installed = unpickling_patches()
-            for owner, name, _, replacement in _installed:
-                setattr(owner, name, replacement)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for owner, name, original, _ in reversed(_installed):
-                    setattr(owner, name, original)
-                _installed = []

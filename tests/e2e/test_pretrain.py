@@ -235,9 +235,8 @@ def test_expert_parallel_adamw_run_switches_to_muon_and_back(cache, tmp_path):
     check refuses ``--optimizer muon --load`` of it naming the converter; adam-to-muon
     converts both optimizers of the chain and the Muon run resumes from the same weights
     (its first loss is AdamW's); muon-to-adam writes Megatron's chain again and AdamW
-    resumes from the Muon run's weights. (A resumed job's second log line averages its
-    first two iterations: compared at the first and third.)"""
-    from megatron_muon.megatron_lm.launch import check_optimizer_to_load
+    resumes from the Muon run's weights."""
+    from megatron_muon.megatron_lm.resume import check_optimizer_to_load
 
     adam, muon, back = tmp_path / "adam", tmp_path / "muon", tmp_path / "back"
     job = TWO_RANKS + ["--recipe", "tiny_moe_mla", "--expert-model-parallel-size", "2", "--bf16",
@@ -325,6 +324,28 @@ def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cac
     )
 
 
+def test_a_resume_that_changes_the_model_or_the_schedule_is_one_line_before_any_model(uninterrupted, cache):
+    """``--load`` of the run's checkpoint with another ``--num-layers`` or ``--train-iters``:
+    Megatron-LM asserts on both once the model is built (a traceback). Refused at start-up in
+    one line naming the argument and both values (tests.helpers.bad_input runs the start-up);
+    ``--override-opt_param-scheduler`` takes this run's schedule, as in Megatron-LM."""
+    import json
+
+    load = COMMON + ["--data-cache-path", str(cache), "--load", str(uninterrupted["ckpt"]), "--ckpt-step", "3"]
+    cases = [load + ["--num-layers", "4"], load + ["--train-iters", "12"],
+             load + ["--train-iters", "12", "--override-opt_param-scheduler"]]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.bad_input"], input=json.dumps(cases), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (layers, iters, overridden) = json.loads(proc.stdout)
+    for (code, stderr, _), says in ((layers, ("--num-layers 4", "--num-layers 2")),
+                                    (iters, ("--train-iters 12", "6"))):  # fmt: skip
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), stderr[-2000:]
+        assert all(said in lines[0] for said in says) and "Traceback" not in stderr, lines[0]
+    assert overridden[0] == 0, overridden[1][-2000:]
+
+
 DEFAULT_FORMAT = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable"]
 """COMMON with Megatron-LM's default distributed-optimizer checkpoint format."""
 
@@ -398,7 +419,7 @@ def test_megatron_fsdp_adamw_checkpoint_resumes_and_switches_to_muon_and_back(ca
     variance reduction's second moment at zero: the AdamW checkpoint has none). muon-to-adam
     converts the Muon run's checkpoint back, dense and expert groups alike, and AdamW goes on
     from Muon's weights."""
-    from megatron_muon.megatron_lm.launch import check_optimizer_to_load
+    from megatron_muon.megatron_lm.resume import check_optimizer_to_load
 
     ckpt, muon, muon_run, back = (tmp_path / name for name in ("ckpt", "muon", "muon_run", "back"))
 

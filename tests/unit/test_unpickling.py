@@ -1,7 +1,7 @@
 """Reading a checkpoint never runs code stored in it (``megatron_muon.checkpoint.unpickling``),
 one process, no model: a pickle naming anything outside the allowlist is refused before
 anything is called, naming the type; what Megatron-LM's and our checkpoints hold loads; the
-readers of torch DCP and Megatron-core go through it inside ``restricted_unpickling`` and are
+readers of torch DCP and Megatron-core go through it inside ``restricted_reading`` and are
 restored after it."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from megatron_muon.checkpoint import UnsafeCheckpointError
-from megatron_muon.checkpoint.unpickling import load_pickle, restricted_unpickling, torch_load
+from megatron_muon.checkpoint.reading import restricted_reading
+from megatron_muon.checkpoint.unpickling import load_pickle, torch_load
 
 
 class Payload:
@@ -94,10 +95,10 @@ def test_torch_dcp_and_megatron_readers_are_restricted_inside_the_block_only(tmp
         return (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes, common.load_common)
 
     before = readers()  # restricted already where a test of this process installed Megatron-LM's hooks
-    with restricted_unpickling():
+    with restricted_reading():
         patched = readers()
         assert all(hasattr(f, "__wrapped__") for f in patched)  # ours, wrapping torch's / Megatron's
-        with restricted_unpickling():  # reentrant
+        with restricted_reading():  # reentrant
             assert readers() == patched
         assert readers() == patched
     assert readers() == before
@@ -106,7 +107,7 @@ def test_torch_dcp_and_megatron_readers_are_restricted_inside_the_block_only(tmp
 
     marker = tmp_path / "marker"
     dcp.save({"t": torch.ones(2), "obj": {"iteration": Payload(str(marker))}}, checkpoint_id=str(tmp_path / "c"))
-    with restricted_unpickling():
+    with restricted_reading():
         metadata = FileSystemReader(str(tmp_path / "c")).read_metadata()  # DCP's own classes load
         assert "t" in metadata.state_dict_metadata
         with pytest.raises(BaseException) as error:
