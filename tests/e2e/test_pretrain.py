@@ -300,12 +300,9 @@ def test_first_run_of_load_and_save_in_one_directory_says_it_starts_new(uninterr
 
 
 def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cache):
-    """Load iteration 3 at TP1 (iterations 4..6 repeat the uninterrupted run exactly) and under
-    torchrun at TP2 (the same to reduction-order noise).
-
-    Megatron-LM's second log line of a job averages its first two iterations (the loss sums
-    are not reset after the first line), so iteration 5 of a resumed job logs the mean of 4
-    and 5: compared at 4, 6 and the validation losses."""
+    """Load iteration 3 at TP1 (iterations 4..6 repeat the uninterrupted run exactly, as logged:
+    Megatron-LM's own second log line of a job averaged its first two iterations, 4 and 5)
+    and under torchrun at TP2 (the same to reduction-order noise)."""
     ckpt = uninterrupted["ckpt"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert (ckpt / "iter_0000003" / ".metadata").is_file()  # torch_dist
@@ -314,8 +311,7 @@ def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cac
     resume = COMMON + ["--data-cache-path", str(cache), "--load", str(ckpt), "--ckpt-step", "3"]
     same = run(PRETRAIN + resume)
     assert sorted(losses(same)) == [4, 5, 6]
-    assert all(losses(same)[i] == full[i] for i in (4, 6)), (losses(same), full)
-    assert losses(same)[5] == pytest.approx((full[4] + full[5]) / 2, abs=1e-5)
+    assert all(losses(same)[i] == full[i] for i in (4, 5, 6)), (losses(same), full)
     assert validation(same)[6] == validation(uninterrupted["stdout"])[6]
     tp2 = run(TWO_RANKS + resume + ["--tensor-model-parallel-size", "2"], timeout=300)
     assert "tensor-model-parallel size: 2" in tp2
@@ -468,12 +464,12 @@ def adamw_runs(cache, tmp_path_factory) -> Dict[str, dict]:
 def test_adamw_baseline_resumes_exactly(adamw_runs, precision):
     """The AdamW peer (Megatron's DistributedOptimizer with torch's AdamW on the CPU), saved
     with Megatron-LM's default distributed-optimizer format, resumes as the uninterrupted
-    run goes on: bit for bit at iterations 4 and 6 (5 logs the mean of 4 and 5). It failed
-    to load in fp32 and resumed with a wrong Adam step (bias correction) in bf16."""
+    run goes on: bit for bit at iterations 4, 5 and 6, as logged. It failed to load in fp32
+    and resumed with a wrong Adam step (bias correction) in bf16."""
     full = adamw_runs[precision]
     resumed = run(PRETRAIN + full["args"] + ["--load", str(full["ckpt"]), "--ckpt-step", "3"])
     assert sorted(losses(resumed)) == [4, 5, 6], resumed[-2000:]
-    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 6)), (losses(resumed), full["stdout"])
+    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 5, 6)), (losses(resumed), full["stdout"])
     assert validation(resumed)[6] == validation(full["stdout"])[6]
 
 
