@@ -255,12 +255,15 @@ def _restricted(replacement, original):
 
 
 def _read_metadata(original):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
             with self.fs.create_stream(path, "rb") as file:
                 metadata = load_pickle(file, str(path))
-            check_storage(metadata, str(self.path), str(path))
+            if isinstance(self.fs, FileSystem):  # a local directory (fsspec's readers name remote objects)
+                check_storage(metadata, str(self.path), str(path))
         except CheckpointError as refusal:  # DCP would swallow it
             raise ReadStopped(refusal) from None
         if getattr(metadata, "storage_meta", None) is None:
