@@ -22,12 +22,13 @@ class SaveDirectoryLockedError(CheckpointError):
     """A save directory another live job writes into."""
 
 
-class RefusedUnpickling(BaseException):
-    """Carries an :class:`UnsafeCheckpointError` out of torch's and Megatron-core's checkpoint
-    readers, which swallow an ``Exception`` there (torch DCP falls back to rank-local metadata
-    on any): a refusal must end the read. :func:`checkpoint_error_in` unwraps it."""
+class ReadStopped(BaseException):
+    """Carries a :class:`CheckpointError` out of torch's and Megatron-core's checkpoint
+    readers, which swallow an ``Exception`` there (torch DCP falls back to rank-local
+    metadata on any): a refused pickle or a read that did not finish must end the read.
+    :func:`checkpoint_error_in` unwraps it."""
 
-    def __init__(self, error: UnsafeCheckpointError) -> None:
+    def __init__(self, error: CheckpointError) -> None:
         super().__init__(str(error))
         self.error = error
 
@@ -52,6 +53,6 @@ def checkpoint_error_in(error: BaseException) -> Optional[CheckpointError]:
     for behind in errors_behind(error):
         if isinstance(behind, CheckpointError):
             return behind
-        if isinstance(behind, RefusedUnpickling):
+        if isinstance(behind, ReadStopped):
             return behind.error
     return None

@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import sys
+import uuid
 import zlib
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -49,7 +50,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.validation import INTEGRITY_FNAME
 
 from .errors import CheckpointError, CheckpointIntegrityError, UnsafeCheckpointError
-from .unpickling import read_dcp_metadata
+from .reading import bounded, file_kind, open_regular, read_dcp_metadata
 
 MANIFEST = INTEGRITY_FNAME
 """File name of the manifest inside a checkpoint directory (Megatron-core's)."""
@@ -93,7 +94,7 @@ def _hash_file(path: str, items: List[Item]) -> Tuple[str, int, List[int]]:
     sha = hashlib.sha256()
     crcs = [0] * len(items)
     position, first = 0, 0  # items are sorted and disjoint: sweep them with the blocks
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while True:
             block = f.read(_BLOCK)
             if not block:
@@ -221,9 +222,10 @@ def agreed(value, group: Optional[dist.ProcessGroup] = None):
 def write_atomically(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so that a reader sees the old contents or the new, never a
     part: a temporary file, fsync, ``os.replace``, fsync of the directory."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = f"{path}.tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)  # a new file: never another's
     try:
-        with open(tmp, "w") as f:
+        with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -245,8 +247,9 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def has_manifest(checkpoint_dir: str) -> bool:
-    """Whether ``checkpoint_dir`` holds a manifest (i.e. was saved completely, with one)."""
-    return os.path.isfile(os.path.join(checkpoint_dir, MANIFEST))
+    """Whether ``checkpoint_dir`` holds a manifest (i.e. was saved completely, with one; one
+    that is not a regular file is refused when it is read)."""
+    return os.path.lexists(os.path.join(checkpoint_dir, MANIFEST))
 
 
 def saved_with_manifest(checkpoint_dir: str) -> bool:
@@ -257,10 +260,11 @@ def saved_with_manifest(checkpoint_dir: str) -> bool:
 
 def record(checkpoint_dir: str) -> Dict[str, object]:
     """What the :data:`RECORD` says (empty when there is none or it is unreadable)."""
+    path = os.path.join(checkpoint_dir, RECORD)
     try:
-        with open(os.path.join(checkpoint_dir, RECORD)) as f:
+        with bounded(path), open_regular(path, "r") as f:
             value = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):
         return {}
     return value if isinstance(value, dict) else {}
 
@@ -281,17 +285,19 @@ def missing_manifest_error(checkpoint_dir: str) -> CheckpointIntegrityError:
 
 def _read_manifest(checkpoint_dir: str) -> dict:
     path = os.path.join(checkpoint_dir, MANIFEST)
-    if not os.path.isfile(path) and saved_with_manifest(checkpoint_dir):
+    if not os.path.lexists(path) and saved_with_manifest(checkpoint_dir):
         raise missing_manifest_error(checkpoint_dir)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise CheckpointIntegrityError(
             f"{checkpoint_dir} has no {MANIFEST}: it was not completely saved (the manifest is "
             "written last), or by a tool that writes none; if you trust its files, write one "
             f"with `python -m megatron_muon.checkpoint.integrity write {checkpoint_dir}`."
         )
     try:
-        with open(path) as f:
+        with bounded(path), open_regular(path, "r") as f:
             manifest = json.load(f)
+    except CheckpointError as e:
+        raise CheckpointIntegrityError(str(e)) from e
     except (OSError, ValueError) as e:
         raise CheckpointIntegrityError(f"{path} is unreadable ({e}); the checkpoint cannot be verified.") from e
     files = manifest.get("files") if isinstance(manifest, dict) else None
@@ -299,11 +305,35 @@ def _read_manifest(checkpoint_dir: str) -> dict:
         raise CheckpointIntegrityError(
             f"{path} is not a manifest (no file -> sha256 table); the checkpoint cannot be verified."
         )
+    if not _tables(manifest):
+        raise CheckpointIntegrityError(
+            f"{path} is not a manifest (its sizes or items are not tables of file -> size, file -> items); the "
+            "checkpoint cannot be verified."
+        )
     if manifest.get("algorithm", ALGORITHM) != ALGORITHM:
         raise CheckpointIntegrityError(f"{path}: unsupported hash algorithm {manifest.get('algorithm')!r}.")
     if not files:
         raise CheckpointIntegrityError(f"{path} lists no files: it verifies nothing, so the checkpoint is refused.")
     return manifest
+
+
+def _tables(manifest: dict) -> bool:
+    """Whether the manifest's optional ``sizes`` and ``items`` have the shapes
+    :func:`write_manifest` writes (file -> bytes; file -> [offset, length, crc32, label]...)."""
+
+    def number(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    def item(value) -> bool:
+        return isinstance(value, list) and len(value) == 4 and all(map(number, value[:3])) and isinstance(value[3], str)
+
+    sizes, items = manifest.get("sizes", {}), manifest.get("items", {})
+    return (
+        isinstance(sizes, dict)
+        and all(map(number, sizes.values()))
+        and isinstance(items, dict)
+        and all(isinstance(v, list) and all(map(item, v)) for v in items.values())
+    )
 
 
 def _listing_problems(checkpoint_dir: str, manifest: dict) -> List[str]:
@@ -314,8 +344,10 @@ def _listing_problems(checkpoint_dir: str, manifest: dict) -> List[str]:
     present = {entry.name: entry for entry in os.scandir(checkpoint_dir) if entry.name != MANIFEST}
     for name in manifest["files"]:
         entry = present.get(name)
-        if entry is None or not entry.is_file():
+        if entry is None or not os.path.exists(entry.path):
             problems.append(f"{name}: missing")
+        elif not entry.is_file():
+            problems.append(f"{name}: {file_kind(os.stat(entry.path).st_mode)}, not a regular file")
         elif sizes.get(name) is not None and entry.stat().st_size != sizes[name]:
             problems.append(f"{name}: truncated or extended ({entry.stat().st_size} bytes, saved with {sizes[name]})")
     problems += [
@@ -328,7 +360,7 @@ def _changed_items(path: str, recorded: list, labels: Sequence[str]) -> List[str
     """The recorded items of data file ``path`` whose label starts with one of ``labels``
     and whose bytes no longer match their CRC-32."""
     changed = []
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for offset, length, crc, label in recorded:
             if label.startswith(tuple(labels)):
                 f.seek(offset)

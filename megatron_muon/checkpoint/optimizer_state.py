@@ -37,7 +37,7 @@ from .. import state as registry
 from ..pipeline import gather_matrices, scatter_matrices
 from ..state import MASTER, checkpoint_states, muon_states, required_in_checkpoint
 from .errors import CheckpointError
-from .unpickling import read_dcp_metadata
+from .reading import read_dcp_metadata
 
 FORMAT = "megatron_muon/1"
 """The ``format`` of our optimizer's common state, in every checkpoint format."""

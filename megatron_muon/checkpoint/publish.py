@@ -5,7 +5,8 @@ checkpoint or nothing.
 ``save_checkpoint``, Megatron-LM's ``save_checkpoint`` through
 ``megatron_lm.checkpoint_guards``, and the converter):
 
-1. every rank writes into ``<target>.tmp`` (the staging directory), never into ``target``;
+1. every rank writes into a staging directory (``<target>.tmp/<name>``, inside a container
+   of ``staging``'s that only this save made), never into ``target``;
 2. once all have written, the manifest (``integrity``) is written, last;
 3. when ``target`` exists (a re-save), the new copy is verified before it replaces it;
 4. the save directory's lock (``save_lock``) is confirmed to be still this job's;
@@ -13,7 +14,8 @@ checkpoint or nothing.
 6. the tracker file, if the writer keeps one, is replaced atomically to name it.
 
 A failure at any step leaves ``target`` as it was (and the staging directory, which the next
-publish of the same target, or a load that owns the directory, removes). Failures on one rank
+publish of the same target, or a load that owns the directory, removes: ``staging`` says
+which directories a writer may remove). Failures on one rank
 are raised on every rank (:func:`on_rank0`), so no rank waits in a collective another left;
 a full disk is named as such (:func:`write_failure`).
 """
@@ -24,14 +26,19 @@ import contextlib
 import ctypes
 import errno
 import os
-import shutil
-from typing import Any, Callable, Iterator, Optional, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 import torch.distributed.checkpoint.api
 
 from .errors import CheckpointError, errors_behind
 from .integrity import agreed, has_manifest, verify_manifest, write_atomically, write_manifest
+from .staging import inner as staged_in
+from .staging import make as make_staging
+from .staging import marker as staging_marker
+from .staging import removable as removable_staging
+from .staging import remove as remove_staging
+from .staging import this_process
 
 WRITE_ERRORS = (Exception, torch.distributed.checkpoint.api.CheckpointException)
 """A write that failed (and says why): its staging directory is removed. An interruption
@@ -89,27 +96,33 @@ def publish(
     ``lock``: the ``save_lock.SaveLock`` this job holds on the directory (rank 0's; confirmed
     before the swap). Returns what ``write`` returned."""
     target = str(target).rstrip("/")
-    staging = target + STAGING
+    writer = Writer(lock)
 
-    def prepare() -> None:
-        shutil.rmtree(staging, ignore_errors=True)  # a killed publish of this target left it
-        os.makedirs(staging)
+    def prepare() -> str:
+        for line in filter(None, [recover_interrupted_swap(target, writer.tokens, writer.locked)]):
+            print(f"megatron_muon: {line}", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+        container = make_staging(target + STAGING, writer.identity, writer.tokens, writer.locked)
+        os.mkdir(staged_in(container, target))
+        return container
 
-    on_rank0(prepare, "creating the staging directory", staging)
+    container = on_rank0(prepare, "creating the staging directory", target + STAGING)
+    stage = staged_in(container, target)
     _barrier()
-    with _discarded_on_failure(staging, target):
-        request = write(staging)
+    with _discarded_on_failure(container, target, writer):
+        request = write(stage)
 
-    @_discarded_on_failure(staging, target)
+    @_discarded_on_failure(container, target, writer)
     def finish() -> None:
         replacing = agreed(os.path.isdir(target) and bool(os.listdir(target)))  # before anyone swaps
-        write_manifest(staging, source_verified=source_verified)  # collective; ends with a barrier
+        write_manifest(stage, source_verified=source_verified)  # collective; ends with a barrier
         if replacing:
-            verify_manifest(staging)  # collective: the copy it replaces stays until this one reads back
+            verify_manifest(stage)  # collective: the copy it replaces stays until this one reads back
         on_rank0(lambda: lock.confirm() if lock is not None else None, "confirming the save directory's lock", target)
 
         def into_place() -> None:
-            swap_into_place(staging, target)
+            swap_into_place(stage, target, writer)
+            remove_staging(container, writer.tokens)  # empty, or holding the copy the exchange replaced
             if tracker is not None:
                 write_atomically(*tracker)
 
@@ -122,19 +135,48 @@ def publish(
     return request
 
 
+class Writer:
+    """Who writes a checkpoint: the job holding ``lock`` on its save directory (its token
+    marks its staging directories; every other writer there has ended), or this process."""
+
+    def __init__(self, lock: Any = None) -> None:
+        self.identity = lock.identity if lock is not None else this_process()
+        self.locked = lock is not None
+        self.tokens = [self.identity["token"], this_process()["token"]]
+
+
 @contextlib.contextmanager
-def _discarded_on_failure(staging: str, target: str) -> Iterator[None]:
-    """When the block fails (:data:`WRITE_ERRORS`), on rank 0: the staging directory removed
+def _discarded_on_failure(container: str, target: str, writer: Writer) -> Iterator[None]:
+    """When the block fails (:data:`WRITE_ERRORS`), on rank 0: the staging container removed
     (on a full disk it holds the space), and ``target`` if it is an empty directory made for
-    this save; the failure goes on."""
+    this save; the failure goes on, as one :class:`CheckpointError` line when the disk was full
+    as it failed (judged before the removal frees the space: torch's and Megatron-core's
+    writers lose the OS error on some paths)."""
     try:
         yield
-    except WRITE_ERRORS:
+    except WRITE_ERRORS as failure:
+        full = os_error_code(failure) == errno.ENOSPC or (
+            os_error_code(failure) is None and disk_full(os.path.dirname(target))
+        )
         if _rank0():
-            shutil.rmtree(staging, ignore_errors=True)
-            if os.path.isdir(target) and not os.listdir(target):
-                os.rmdir(target)
+            with contextlib.suppress(OSError):
+                remove_staging(container, writer.tokens)
+                _remove_if_empty(target)
+        if full and not isinstance(failure, CheckpointError):
+            raise CheckpointError(
+                write_failure(
+                    OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+                    f"saving {os.path.basename(target)}",
+                    os.path.dirname(target),
+                )
+            ) from failure
         raise
+
+
+def _remove_if_empty(path: str) -> None:
+    """``rmdir path`` when it is an empty directory, not a symlink (one made for a save)."""
+    if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+        os.rmdir(path)
 
 
 def write_failure(error: BaseException, what: str, directory: str) -> str:
@@ -215,54 +257,57 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def swap_into_place(staging: str, target: str) -> None:
-    """Move the complete checkpoint ``staging`` to ``target`` so that ``target`` always names a
-    complete checkpoint: a new one is renamed in; an existing one is exchanged with it in one
-    atomic step, then deleted. Where the filesystem cannot exchange, two renames (``target``
-    to ``<target>.old``, ``staging`` to ``target``); between them ``<target>.old`` is the
-    complete one (:func:`resolve_checkpoint_dir`, :func:`recover_interrupted_swap`). An empty
-    ``target`` (a directory made for the save) is replaced. One process (rank 0) calls it."""
+def swap_into_place(stage: str, target: str, writer: Optional[Writer] = None) -> None:
+    """Move the complete checkpoint ``stage`` (in a staging container of ``writer``'s) to
+    ``target`` so that ``target`` always names a complete checkpoint: a new one is renamed
+    in; an existing one is exchanged with it in one atomic step (the previous copy is then at
+    ``stage``, removed with its container by the caller). Where the filesystem cannot
+    exchange, two renames: ``target`` into a new staging container ``<target>.old`` (refused
+    when that name holds anything ``writer`` may not remove), ``stage`` to ``target``; between
+    them ``<target>.old`` holds the complete one (:func:`resolve_checkpoint_dir`,
+    :func:`recover_interrupted_swap`). An empty ``target`` (a directory made for the save) is
+    replaced. One process (rank 0) calls it."""
+    writer = writer or Writer()
     target = target.rstrip("/")
-    if os.path.isdir(target) and not os.listdir(target):
-        os.rmdir(target)
-    if not os.path.exists(target):
-        os.rename(staging, target)
-    elif _exchange(staging, target):
-        shutil.rmtree(staging)
-    else:
-        old = target + PREVIOUS
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(target, old)
-        os.rename(staging, target)
-    shutil.rmtree(target + PREVIOUS, ignore_errors=True)  # also one an earlier interrupted swap left
+    _remove_if_empty(target)
+    if not os.path.lexists(target):
+        os.rename(stage, target)
+    elif not _exchange(stage, target):
+        aside = make_staging(target + PREVIOUS, writer.identity, writer.tokens, writer.locked, fixed=True)
+        os.rename(target, staged_in(aside, target))
+        os.rename(stage, target)
+        remove_staging(aside, writer.tokens)
     _fsync_dir(os.path.dirname(os.path.abspath(target)))
 
 
-def recover_interrupted_swap(target: str) -> Optional[str]:
+def recover_interrupted_swap(target: str, tokens: Sequence[str] = (), locked: bool = False) -> Optional[str]:
     """Undo what a killed :func:`swap_into_place` left at ``target``: the previous checkpoint
-    back from ``<target>.old`` when ``target`` is missing, or ``<target>.old`` removed when
-    ``target`` is complete. Returns a line saying what was done (None: nothing)."""
+    back from the container ``<target>.old`` when ``target`` is missing, or that container
+    removed when ``target`` is complete; only a container the caller may remove
+    (``staging.removable``). Returns a line saying what was done (None: nothing)."""
     target = target.rstrip("/")
     old = target + PREVIOUS
-    if not has_manifest(old):
+    if not removable_staging(old, tokens, locked):
         return None
-    if not os.path.exists(target):
-        os.rename(old, target)
-        return f"{target}: an interrupted re-save left it at {old}; moved back"
+    previous = staged_in(old, target)
+    if not os.path.lexists(target) and has_manifest(previous):
+        os.rename(previous, target)
+        remove_staging(old, tokens, locked)
+        return f"{target}: an interrupted re-save left it in {old}; moved back"
     if has_manifest(target):
-        shutil.rmtree(old)
+        remove_staging(old, tokens, locked)
         return f"{target}: removed {old}, the previous copy an interrupted re-save had replaced"
     return None
 
 
 def resolve_checkpoint_dir(checkpoint_dir: str) -> str:
     """The directory to read for ``checkpoint_dir``: itself when it is complete (has its
-    manifest); ``<checkpoint_dir>.old`` when a re-save was interrupted between moving the
-    previous checkpoint aside and moving the new one in (the directory is then missing, or
+    manifest); the previous copy in ``<checkpoint_dir>.old`` when a re-save was interrupted
+    between moving it aside and moving the new one in (the directory is then missing, or
     incomplete); otherwise ``checkpoint_dir`` itself, whose verification then reports what is
     wrong. Reads only: the directory may belong to another job or be read-only."""
     base = checkpoint_dir.rstrip("/")
-    old = base + PREVIOUS
-    if not has_manifest(base) and has_manifest(old):
-        return old
+    previous = staged_in(base + PREVIOUS, base)
+    if not has_manifest(base) and staging_marker(base + PREVIOUS) is not None and has_manifest(previous):
+        return previous
     return checkpoint_dir

@@ -1,7 +1,7 @@
 """One job per save directory: a lock file in it, taken before a job writes anything there.
 
-``<directory>/megatron_muon.lock`` names its holder (host, boot, PID and the process's start
-time, the command) and a random token. It is created with ``O_CREAT | O_EXCL``, which is
+``<directory>/megatron_muon.lock`` names its holder (host, boot, PID namespace, PID and the
+process's start time, the command) and a random token. It is created with ``O_CREAT | O_EXCL``, which is
 atomic on local filesystems and on the shared ones training clusters use (NFSv3 and later,
 Lustre, GPFS); ``flock`` is not used: on NFS it is emulated with byte-range locks whose
 state lives in lock daemons and can outlive or lose a crashed client, Lustre honours it only
@@ -10,9 +10,11 @@ cannot say who holds it.
 
 A lock is **taken over** only when its holder is provably gone:
 
-* on the same host (same boot): no process has its PID with its start time (a PID reused
-  by another process has another start time);
-* on another host: its heartbeat is older than :data:`LEASE` seconds. The holder touches the
+* on the same host (same boot) and in the same PID namespace: no process has its PID with
+  its start time (a PID reused by another process has another start time);
+* on another host, or in another PID namespace (a container sharing the host's name, as
+  with host networking: its PIDs mean other processes here): its heartbeat is older than
+  :data:`LEASE` seconds. The holder touches the
   lock every :data:`HEARTBEAT` seconds from a daemon thread; the age is measured on the
   filesystem's own clock (the time stamp of a file written now), not on either host's.
 
@@ -30,6 +32,7 @@ import contextlib
 import json
 import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -54,6 +57,15 @@ def _boot_id() -> str:
         return ""
 
 
+def _pid_namespace() -> Optional[int]:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; equal for every
+    process of one namespace, seen from anywhere), None where ``/proc`` does not say."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
 def process_start(pid: int) -> Optional[str]:
     """A process's start time (clock ticks since boot, from ``/proc``), None if it is gone."""
     try:
@@ -70,6 +82,7 @@ def holder_identity(purpose: str, command: Optional[str] = None) -> Dict[str, ob
     return {
         "host": socket.gethostname(),
         "boot_id": _boot_id(),
+        "pid_namespace": _pid_namespace(),
         "pid": os.getpid(),
         "start": process_start(os.getpid()),
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -80,10 +93,12 @@ def holder_identity(purpose: str, command: Optional[str] = None) -> Dict[str, ob
 
 
 def _read(path: str) -> Optional[Dict[str, object]]:
+    from .reading import open_regular  # here: this module stays light (a launcher imports it before torch)
+
     try:
-        with open(path) as f:
+        with open_regular(path, "r") as f:
             value = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -91,22 +106,42 @@ def _read(path: str) -> Optional[Dict[str, object]]:
 def _filesystem_now(directory: str) -> float:
     """The time stamp the filesystem of ``directory`` gives a file written now."""
     probe = os.path.join(directory, f".{LOCK}.clock.{uuid.uuid4().hex}")
-    with open(probe, "w"):
-        pass
+    os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
     try:
         return os.stat(probe).st_mtime
     finally:
         os.unlink(probe)
 
 
-def holder_gone(holder: Dict[str, object], lock_path: str) -> Optional[str]:
-    """Why the holder of ``lock_path`` is provably gone (one phrase), or None while it may live."""
-    same_machine = holder.get("host") == socket.gethostname() and holder.get("boot_id") == _boot_id()
-    if same_machine:
-        pid = holder.get("pid")
-        if not isinstance(pid, int) or process_start(pid) != holder.get("start"):
-            return f"process {pid} on this host has ended"
+def judged_by_pid(holder: Dict[str, object]) -> bool:
+    """Whether ``holder`` (an identity :func:`holder_identity` recorded) can be judged by its
+    PID here: it ran on this machine, since its last boot, in this PID namespace (a lock
+    written without its namespace, by an older version, is judged by its heartbeat)."""
+    namespace = _pid_namespace()
+    return (
+        holder.get("host") == socket.gethostname()
+        and holder.get("boot_id") == _boot_id()
+        and namespace is not None
+        and holder.get("pid_namespace") == namespace
+    )
+
+
+def process_gone(holder: Dict[str, object]) -> Optional[str]:
+    """Why the process ``holder`` names is provably gone (one phrase); None while it may live
+    or cannot be judged from here (:func:`judged_by_pid`)."""
+    if not judged_by_pid(holder):
         return None
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or process_start(pid) != holder.get("start"):
+        return f"process {pid} on this host has ended"
+    return None
+
+
+def holder_gone(holder: Dict[str, object], lock_path: str) -> Optional[str]:
+    """Why the holder of ``lock_path`` is provably gone (one phrase), or None while it may live:
+    by its PID where :func:`judged_by_pid`, else by its heartbeat."""
+    if judged_by_pid(holder):
+        return process_gone(holder)
     try:
         age = _filesystem_now(os.path.dirname(lock_path)) - os.stat(lock_path).st_mtime
     except FileNotFoundError:
@@ -234,7 +269,20 @@ def take(directory: str, purpose: str, command: Optional[str] = None) -> SaveLoc
 
 
 def _take_over_if_abandoned(path: str, directory: str) -> None:
-    """Remove the lock at ``path`` if its holder is provably gone; raise while it lives."""
+    """Remove the lock at ``path`` if its holder is provably gone; raise while it lives, and
+    for anything at ``path`` that is not a lock file (left as it is)."""
+    from .reading import file_kind
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        kind = "a symlink" if stat.S_ISLNK(mode) else file_kind(mode)
+        raise SaveDirectoryLockedError(
+            f"{path} is {kind}, not a lock file of megatron_muon's: it is left as it is; remove or rename it, "
+            "or save elsewhere (--save)"
+        )
     holder = _read(path)
     if holder is None:  # being written this instant, or damaged: give its writer a moment
         time.sleep(0.2)

@@ -15,11 +15,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from .errors import CheckpointError, RefusedUnpickling, checkpoint_error_in
+from .errors import CheckpointError, ReadStopped, checkpoint_error_in
 from .integrity import verify_manifest
 from .optimizer_state import READ_ERRORS, require_ours, saved_keys, states_to_load, unused_state_prefixes
 from .publish import publish, resolve_checkpoint_dir
-from .unpickling import restricted_unpickling
+from .reading import bounded, restricted_reading
 
 
 def model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -53,9 +53,9 @@ def read_common(checkpoint_dir: str) -> Dict[str, Any]:
     if not os.path.isdir(checkpoint_dir):
         raise CheckpointError(f"{checkpoint_dir} is not a checkpoint directory")
     try:
-        with restricted_unpickling():
+        with bounded(f"the common state of {checkpoint_dir}"), restricted_reading():
             return dist_checkpointing.load_common_state_dict(checkpoint_dir)
-    except (RefusedUnpickling, *READ_ERRORS) as e:  # any unreadable file is the same user error
+    except (ReadStopped, *READ_ERRORS) as e:  # any unreadable file is the same user error
         raise checkpoint_error_in(e) or CheckpointError(
             f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}"
         ) from e
@@ -96,9 +96,9 @@ def load_checkpoint(
     try:
         # Megatron's names: "missing" = in the checkpoint, requested by no rank;
         # "unexpected" = requested here, absent from the checkpoint.
-        with restricted_unpickling():
+        with restricted_reading():
             loaded, unused, absent = dist_checkpointing.load(state, checkpoint_dir, strict=StrictHandling.RETURN_ALL)
-    except (RefusedUnpickling, *READ_ERRORS) as e:
+    except (ReadStopped, *READ_ERRORS) as e:
         raise checkpoint_error_in(e) or CheckpointError(
             f"loading {checkpoint_dir} failed: {e}. If shapes differ, the model config differs from "
             "the one the checkpoint was saved with (compare with tools/convert_checkpoint.py inspect)."

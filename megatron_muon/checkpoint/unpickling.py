@@ -9,26 +9,24 @@ common state, RNG states, fsdp_dtensor's arguments) with ``torch.load(weights_on
 files (``common.pt``, ``model_optim_rng.pt``) are ``torch.load`` files.
 
 Here each of those goes through :class:`RestrictedUnpickler`, which resolves only the names
-of :data:`ALLOWED` (what Megatron-LM's and our checkpoints hold) and refuses anything else
-before anything is called, raising :class:`UnsafeCheckpointError` with the refused name.
-:func:`restricted_unpickling` routes torch's and Megatron-core's readers through it while a
-checkpoint is read; :func:`unpickling_patches` does the same for a whole Megatron-LM job.
+of :data:`ALLOWED` (what Megatron-LM's and our checkpoints hold), sets the state only of
+objects it just made (never of a class: a checkpoint cannot reconfigure the process), and
+bounds the size and nesting of what it builds while it builds it (a few hundred bytes of
+pickle cannot make a reader hash or print for ever); anything else is refused before it
+happens, raising :class:`UnsafeCheckpointError` naming it.
+``checkpoint.reading`` routes torch's and Megatron-core's readers through it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
+import functools
 import io
-import os
 import pickle
-import threading
 import types
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-import torch
-
-from .errors import CheckpointError, RefusedUnpickling, UnsafeCheckpointError
+from .errors import ReadStopped, UnsafeCheckpointError
 
 ALLOWED: Dict[str, Tuple[str, ...]] = {
     "torch's tensors, storages and their metadata": (
@@ -106,26 +104,234 @@ def allowed(module: str, name: str) -> Any:
         for part in name.split("."):
             target = getattr(target, part)
         return target
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
+    if module == "torch":
+        import torch  # here: reading a lock or a manifest needs no torch
+
+        return getattr(torch, name) if isinstance(getattr(torch, name, None), torch.dtype) else None
     if module.startswith(_ENUM_MODULES) and "." not in name:
         value = getattr(importlib.import_module(module), name, None)
-        if isinstance(value, type) and issubclass(value, enum.Enum):
+        # One of Megatron-core's own enums, not one it imported (``enum.Enum`` itself).
+        if isinstance(value, type) and issubclass(value, enum.Enum) and value.__module__.startswith(_ENUM_MODULES):
             return value
     return None
 
 
-class RestrictedUnpickler(pickle.Unpickler):
-    """``pickle.Unpickler`` that resolves only :func:`allowed` names (Python's documented way
-    to restrict unpickling: every object a pickle builds comes from a resolved name)."""
+MAX_DEPTH = 100
+"""Deepest nesting a checkpoint's object may have (Megatron-LM's and ours: under 10)."""
+_LONG = 64
+"""A string or bytes object longer than this counts as ``len // _LONG`` elements (printing
+a list of a thousand references to one long string writes it a thousand times)."""
+
+
+def _element_budget(read: int) -> int:
+    """How many elements a pickle of ``read`` bytes may reach through its shared references,
+    beyond the ones it spells out: a tree costs at least a byte per element, a DAG of a
+    few hundred bytes reaches 2**90 (hashing or printing visits each)."""
+    return (1 << 20) + 16 * read
+
+
+class RestrictedUnpickler(pickle._Unpickler):  # noqa: SLF001 (the Python one: its opcodes can be checked)
+    """An unpickler that builds data and nothing else, in a bounded time.
+
+    * **Names**: only :func:`allowed` ones resolve (Python's documented way to restrict
+      unpickling: every object a pickle builds comes from a resolved name).
+    * **BUILD** (setting an object's state, ``setattr`` with a slot state) applies only to an
+      instance this pickle just created of a class it resolved, once, before the instance
+      is put into anything: never to a class, a function or an enum member, whose change
+      would hold for the whole process.
+    * **Bounds, checked at each opcode before anything hashes or prints the result**: every
+      object's element count (counted through every reference to a shared part) and
+      nesting depth; the elements reached through second and later references to shared
+      parts stay within :func:`_element_budget` of the bytes read, and nesting within
+      :data:`MAX_DEPTH`. A container is not changed once it has been put into another, so
+      the counts stay exact (and no cycle can form).
+
+    A refusal is a :class:`ReadStopped` (a ``BaseException``: torch's readers swallow
+    an ``Exception`` there) carrying one line that names what was refused."""
 
     where = "the checkpoint"
+
+    def __init__(self, file, *args, **kwargs) -> None:
+        super().__init__(file, *args, **kwargs)
+        read, readline = self._file_read, self._file_readline
+
+        def counted_read(*n):
+            data = read(*n)
+            self._bytes_read += len(data)
+            return data
+
+        def counted_readline():
+            data = readline()
+            self._bytes_read += len(data)
+            return data
+
+        self._file_read, self._file_readline = counted_read, counted_readline
+        self._bytes_read = 0
+        self._counts: Dict[int, Tuple[int, int]] = {}
+        """id -> (elements, depth) of what this pickle made (and long strings it placed)."""
+        self._alive: List[Any] = []  # keeps every counted object, so that its id stays its own
+        self._placed: set = set()
+        self._made: set = set()
+        self._built: set = set()
+        self._classes: List[type] = []
+        self._shared = 0
 
     def find_class(self, module: str, name: str) -> Any:
         value = allowed(module, name)
         if value is None:  # a BaseException: torch's readers swallow an Exception here
-            raise RefusedUnpickling(refused(f"{module}.{name}", self.where))
+            raise ReadStopped(refused(f"{module}.{name}", self.where))
+        if isinstance(value, type):
+            self._classes.append(value)
         return value
+
+    def _refuse(self, what: str) -> None:
+        raise ReadStopped(
+            UnsafeCheckpointError(
+                f"{self.where} holds {what}, which no checkpoint of Megatron-LM or megatron_muon holds: refused "
+                "without loading it (reading it could change this process's classes, or never end); use a "
+                "checkpoint from a source you trust"
+            )
+        )
+
+    def _place(self, obj: Any) -> Tuple[int, int]:
+        """``obj`` put into a container (or passed to a constructor): its (elements, depth);
+        a second or later placement adds its elements to the shared ones."""
+        key = id(obj)
+        count = self._counts.get(key)
+        if count is None:
+            if not (isinstance(obj, (str, bytes, bytearray)) and len(obj) > _LONG):
+                return 1, 0
+            count = self._count(obj, 1 + len(obj) // _LONG, 0)
+        if key in self._placed:
+            self._shared += count[0]
+            if self._shared > _element_budget(self._bytes_read):
+                self._refuse(
+                    f"a pickled structure that reaches over {self._shared:,} elements through shared references "
+                    f"from {self._bytes_read:,} bytes (a DAG: hashing or printing it visits every one)"
+                )
+        else:
+            self._placed.add(key)
+        return count
+
+    def _count(self, obj: Any, elements: int, depth: int) -> Tuple[int, int]:
+        if depth > MAX_DEPTH:
+            self._refuse(f"a pickled structure nested deeper than {MAX_DEPTH} levels")
+        key = id(obj)
+        if key not in self._counts:
+            self._alive.append(obj)
+        self._counts[key] = (elements, depth)
+        return elements, depth
+
+    def _children(self, children: Sequence[Any]) -> Tuple[int, int]:
+        """(elements, depth) that ``children`` add to what holds them, placing each."""
+        elements, depth = 0, 0
+        for child in children:
+            n, d = self._place(child)
+            elements, depth = elements + n, max(depth, d + 1)
+        return elements, depth
+
+    def _creates(self, children: Sequence[Any], original: Callable, made: bool) -> None:
+        """An opcode that makes a new object of ``children`` (a tuple, a list...; with
+        ``made``, a constructor's or function's result)."""
+        elements, depth = self._children(children)
+        original(self)
+        result = self.stack[-1]
+        if id(result) not in self._counts:  # not an existing object returned again (an enum member)
+            self._count(result, 1 + elements, max(depth, 1))
+            if made:
+                self._made.add(id(result))
+
+    def _fills(self, target: Any, children: Sequence[Any], original: Callable, kind: type) -> None:
+        """An opcode that adds ``children`` to ``target``, a ``kind`` this pickle made and has
+        not yet put anywhere."""
+        key = id(target)
+        if not isinstance(target, kind) or key not in self._counts or key in self._placed:
+            self._refuse(f"a pickle that changes a {type(target).__name__} it did not just make, or already placed")
+        if any(child is target for child in children):
+            self._refuse(f"a pickled {type(target).__name__} that holds itself")
+        elements, depth = self._children(children)
+        before = self._counts[key]
+        self._count(target, before[0] + elements, max(before[1], depth))
+        original(self)
+
+    def _build(self, original: Callable) -> None:
+        state, target = self.stack[-1], self.stack[-2]
+        if isinstance(target, (type, types.FunctionType, types.BuiltinFunctionType)):
+            name = f"{target.__module__}.{target.__qualname__}"
+            self._refuse(f"a pickled BUILD on {name} itself (it would set that class's or function's attributes)")
+        if isinstance(target, enum.Enum):
+            self._refuse(f"a pickled BUILD on the enum member {target!r} (it would change it for the whole process)")
+        key = id(target)
+        if key not in self._made or key in self._built or not self._classes_hold(target):
+            self._refuse(f"a pickled BUILD on a {type(target).__name__} it did not just create")
+        self._fills(target, [state], original, object)
+        self._built.add(key)
+
+    def _classes_hold(self, target: Any) -> bool:
+        return isinstance(target, tuple(self._classes))
+
+
+def _marked(unpickler: RestrictedUnpickler) -> List[Any]:
+    return list(unpickler.stack)  # the items since the last MARK
+
+
+def _top(n: int) -> Callable[[RestrictedUnpickler], List[Any]]:
+    return lambda unpickler: unpickler.stack[-n:] if n else []
+
+
+def _install_checks() -> None:
+    """:class:`RestrictedUnpickler`'s dispatch: Python's, with every opcode that makes or
+    changes a container, calls a constructor or sets state going through its checks."""
+    base = pickle._Unpickler.dispatch  # noqa: SLF001
+    table = dict(base)
+    creates = {
+        pickle.EMPTY_TUPLE: (_top(0), False),
+        pickle.EMPTY_LIST: (_top(0), False),
+        pickle.EMPTY_DICT: (_top(0), False),
+        pickle.EMPTY_SET: (_top(0), False),
+        pickle.TUPLE: (_marked, False),
+        pickle.TUPLE1: (_top(1), False),
+        pickle.TUPLE2: (_top(2), False),
+        pickle.TUPLE3: (_top(3), False),
+        pickle.LIST: (_marked, False),
+        pickle.DICT: (_marked, False),
+        pickle.FROZENSET: (_marked, False),
+        pickle.REDUCE: (_top(1), True),  # the arguments (a tuple) of a resolved function or class
+        pickle.NEWOBJ: (_top(1), True),
+        pickle.NEWOBJ_EX: (_top(2), True),
+        pickle.OBJ: (_marked, True),
+        pickle.INST: (_marked, True),
+    }
+    for opcode, (children, made) in creates.items():
+        original = base[opcode[0]]
+        table[opcode[0]] = functools.partial(
+            lambda u, original, children, made: u._creates(children(u), original, made),
+            original=original,
+            children=children,
+            made=made,
+        )
+    fills = {
+        pickle.APPEND: (lambda u: u.stack[-2], _top(1), list),
+        pickle.APPENDS: (lambda u: u.metastack[-1][-1], _marked, list),
+        pickle.SETITEM: (lambda u: u.stack[-3], _top(2), dict),
+        pickle.SETITEMS: (lambda u: u.metastack[-1][-1], _marked, dict),
+        pickle.ADDITEMS: (lambda u: u.metastack[-1][-1], _marked, set),
+    }
+    for opcode, (target, children, kind) in fills.items():
+        original = base[opcode[0]]
+        table[opcode[0]] = functools.partial(
+            lambda u, original, target, children, kind: u._fills(target(u), children(u), original, kind),
+            original=original,
+            target=target,
+            children=children,
+            kind=kind,
+        )
+    build = base[pickle.BUILD[0]]
+    table[pickle.BUILD[0]] = lambda u: u._build(build)
+    RestrictedUnpickler.dispatch = table
+
+
+_install_checks()
 
 
 def _restricted_pickle_module(where: str) -> types.ModuleType:
@@ -138,146 +344,23 @@ def _restricted_pickle_module(where: str) -> types.ModuleType:
     return module
 
 
-def _load_pickle(file, where: str) -> Any:
-    unpickler = RestrictedUnpickler(file)
-    unpickler.where = where
-    return unpickler.load()
-
-
-def _torch_load(file, where: str) -> Any:
-    return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle_module(where))
-
-
 def load_pickle(file, where: str) -> Any:
     """A plain pickle (torch DCP's ``.metadata``) from the open binary ``file``; raises
-    :class:`UnsafeCheckpointError` naming a refused type."""
+    :class:`UnsafeCheckpointError` naming what it refused."""
+    unpickler = RestrictedUnpickler(file)
+    unpickler.where = where
     try:
-        return _load_pickle(file, where)
-    except RefusedUnpickling as refusal:
+        return unpickler.load()
+    except ReadStopped as refusal:
         raise refusal.error from None
 
 
 def torch_load(file, where: str) -> Any:
-    """``torch.load`` of a file name or binary stream (on the CPU), restricted; raises
-    :class:`UnsafeCheckpointError` naming a refused type."""
+    """``torch.load`` of a binary stream (on the CPU), restricted; raises
+    :class:`UnsafeCheckpointError` naming what it refused."""
+    import torch
+
     try:
-        return _torch_load(file, where)
-    except RefusedUnpickling as refusal:
+        return torch.load(file, map_location="cpu", weights_only=False, pickle_module=_restricted_pickle_module(where))
+    except ReadStopped as refusal:
         raise refusal.error from None
-
-
-def read_dcp_metadata(checkpoint_dir: str):
-    """torch DCP's ``.metadata`` of ``checkpoint_dir`` (every stored item, its global shape
-    and where it lies), read through :class:`RestrictedUnpickler`; an unreadable one is a
-    :class:`CheckpointError` (a refused type, an :class:`UnsafeCheckpointError`)."""
-    path = os.path.join(checkpoint_dir, ".metadata")
-    try:
-        with open(path, "rb") as f:
-            return load_pickle(f, path)
-    except CheckpointError:
-        raise
-    except Exception as e:  # a missing, truncated or foreign file: the same user error
-        raise CheckpointError(f"{checkpoint_dir} is not a torch_dist or fsdp_dtensor checkpoint ({e})") from e
-
-
-# ---------------------------------------------------------------------------------------
-# torch's and Megatron-core's checkpoint readers, restricted
-# ---------------------------------------------------------------------------------------
-
-
-_RESTRICTED = "__megatron_muon_restricted__"
-"""Marks a reader replaced here (``__wrapped__`` alone would not: any ``functools.wraps``
-decorator of torch's sets it, and the patch would then be skipped)."""
-
-
-def _restricted(replacement, original):
-    replacement.__wrapped__ = original
-    setattr(replacement, _RESTRICTED, True)
-    return replacement
-
-
-def _read_metadata(original):
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as file:
-            metadata = _load_pickle(file, str(path))
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    return _restricted(read_metadata, original)
-
-
-def _load_bytes(original):
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        where = f"the stored object {read_item.dest_index.fqn}"
-        obj = _torch_load(value, where)
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
-
-    return _restricted(load_bytes, original)
-
-
-def _load_common(original):
-    def load_common(checkpoint_dir):
-        path = os.path.join(str(checkpoint_dir), "common.pt")
-        return _torch_load(path, path)
-
-    return _restricted(load_common, original)
-
-
-def unpickling_patches() -> List[Tuple[Any, str, Any, Any]]:
-    """``(owner, name, original, replacement)`` for every checkpoint reader that unpickles:
-    torch DCP's ``FileSystemReader.read_metadata`` and ``DefaultLoadPlanner.load_bytes``,
-    Megatron-core's legacy ``load_common`` (``common.pt``)."""
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies import common
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    out = []
-    for owner, name, wrap in (
-        (FileSystemReader, "read_metadata", _read_metadata),
-        (DefaultLoadPlanner, "load_bytes", _load_bytes),
-        (common, "load_common", _load_common),
-        (serialization, "load_common", _load_common),
-    ):
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        if not getattr(original, _RESTRICTED, False):
-            out.append((owner, name, original, wrap(original)))
-    return out
-
-
-_lock = threading.RLock()
-_depth = 0
-_installed: List[Tuple[Any, str, Any, Any]] = []
-
-
-@contextlib.contextmanager
-def restricted_unpickling() -> Iterator[None]:
-    """Inside the block, every checkpoint read of torch DCP and Megatron-core unpickles
-    through :class:`RestrictedUnpickler` (reentrant; a no-op where the patches are already
-    installed for the whole job)."""
-    global _depth, _installed
-    with _lock:
-        if _depth == 0:
-            _installed = unpickling_patches()
-            for owner, name, _, replacement in _installed:
-                setattr(owner, name, replacement)
-        _depth += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for owner, name, original, _ in reversed(_installed):
-                    setattr(owner, name, original)
-                _installed = []

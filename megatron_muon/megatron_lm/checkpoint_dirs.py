@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_muon.checkpoint.errors import CheckpointError, RefusedUnpickling, checkpoint_error_in
+from megatron_muon.checkpoint import staging
+from megatron_muon.checkpoint.errors import CheckpointError, ReadStopped, checkpoint_error_in
 from megatron_muon.checkpoint.integrity import (
     MANIFEST,
     RECORD,
@@ -36,14 +36,23 @@ from megatron_muon.checkpoint.integrity import (
     verify_manifest,
 )
 from megatron_muon.checkpoint.optimizer_state import READ_ERRORS, STATE_PREFIX
-from megatron_muon.checkpoint.publish import STAGING, publish, recover_interrupted_swap
-from megatron_muon.checkpoint.unpickling import read_dcp_metadata, restricted_unpickling
+from megatron_muon.checkpoint.publish import PREVIOUS, STAGING, publish, recover_interrupted_swap
+from megatron_muon.checkpoint.reading import (
+    bounded,
+    open_regular,
+    read_dcp_metadata,
+    regular_files_only,
+    restricted_reading,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
-_LEFTOVER = re.compile(r"^(iter_\d{7}|release)(\.tmp|\.old|\.resave\.tmp)$")
-"""What an interrupted save or conversion of ours leaves in a save directory."""
+_LEFTOVER = re.compile(r"^(iter_\d{7}|release)(\.tmp|\.old|\.resave\.tmp)(\.[0-9a-f]{32})?$")
+"""The names of what an interrupted save or conversion of ours leaves in a save directory
+(its staging containers: ``checkpoint.staging``)."""
+RESAVE = ".resave.tmp"
+"""Suffix of the container in which Megatron-LM re-saves a converter's source (``convert``)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -74,14 +83,15 @@ def holds_a_run(directory: Optional[str]) -> bool:
 
 
 def read_tracker(directory: str) -> Optional[str]:
-    """What ``directory``'s tracker names (an iteration, or ``release``); None when it is
-    missing, empty or anything else."""
+    """What ``directory``'s tracker names (an iteration in ASCII digits, or ``release``); None
+    when it is missing, empty, not a regular file, or anything else."""
+    path = os.path.join(directory, TRACKER)
     try:
-        with open(os.path.join(directory, TRACKER)) as f:
-            text = f.read().strip()
-    except (OSError, UnicodeDecodeError):
+        with bounded(path), open_regular(path, "r") as f:
+            text = f.read(64).strip()
+    except (OSError, UnicodeDecodeError, CheckpointError):
         return None
-    return text if text.isdigit() or text == RELEASE else None
+    return text if (text.isascii() and text.isdigit()) or text == RELEASE else None  # "³".isdigit(); int() fails
 
 
 def tracker_entry(directory: str, iteration: int) -> Tuple[str, str]:
@@ -103,8 +113,9 @@ def newest_verified(directory: str) -> Optional[int]:
 def remove_leftovers(directory: str) -> List[str]:
     """Undo what interrupted saves and conversions of ours left in ``directory`` (a swap's
     ``iter_N.old`` put back or removed, a staging ``iter_N.tmp`` or re-save scratch
-    removed); one line per thing done. Only for a directory this process holds the lock of:
-    a leftover of a live job is that job's work in progress."""
+    removed); one line per thing done, and per thing of such a name left because no writer of
+    ours made it (``checkpoint.staging``: a user's folder, a symlink). Only for a directory
+    this process holds the lock of: a leftover of a live job is that job's work in progress."""
     done = []
     if not os.path.isdir(directory):
         return done
@@ -113,12 +124,13 @@ def remove_leftovers(directory: str) -> List[str]:
         if match is None:
             continue
         path = os.path.join(directory, name)
-        if match.group(2) == ".old":
-            line = recover_interrupted_swap(os.path.join(directory, match.group(1)))
+        if staging.marker(path) is None:
+            done.append(f"left {path} as it is: it is {staging.not_ours(path)}")
+        elif match.group(2) == PREVIOUS and not match.group(3):
+            line = recover_interrupted_swap(os.path.join(directory, match.group(1)), locked=True)
             if line:
                 done.append(line)
-        else:
-            shutil.rmtree(path)
+        elif staging.remove(path, locked=True):
             done.append(f"removed {path}, left by an interrupted save")
     return done
 
@@ -242,6 +254,7 @@ def check_source(path: str, unverified: bool = False, items: Optional[Sequence[s
         return True
     if saved_with_manifest(path):
         raise missing_manifest_error(path)
+    regular_files_only(path)
     if written_by_megatron_muon(path):
         raise CheckpointError(
             f"{path} was written by megatron_muon but has lost its {MANIFEST} and {RECORD}, which every checkpoint "
@@ -315,9 +328,9 @@ def read_checkpoint(path: str) -> Checkpoint:
             shape = tuple(int(x) for x in m["shape"].split("."))
             request[key] = ShardedObject(m["key"], None, shape, offset, replica_id=0)
     try:
-        with restricted_unpickling():
+        with restricted_reading():
             loaded = dist_checkpointing.load(request, path)
-    except (RefusedUnpickling, *READ_ERRORS) as e:
+    except (ReadStopped, *READ_ERRORS) as e:
         raise checkpoint_error_in(e) or CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from e
     ckpt = Checkpoint(common=read_common(path))
     for key, req in request.items():
@@ -362,9 +375,9 @@ def load_dcp(path: str, wanted: Callable[[str], bool] = lambda key: True) -> Dic
         if wanted(key)
     }
     try:
-        with restricted_unpickling():
+        with restricted_reading():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    except (RefusedUnpickling, *READ_ERRORS) as e:
+    except (ReadStopped, *READ_ERRORS) as e:
         raise checkpoint_error_in(e) or CheckpointError(
             f"{path} could not be read as an fsdp_dtensor checkpoint: {e}"
         ) from e
@@ -377,7 +390,8 @@ def fsdp_common(path: str) -> Dict[str, Any]:
     marked as such), without reading a tensor."""
     from megatron_muon.checkpoint.fsdp_dtensor import CommonState
 
-    state = load_dcp(path, lambda key: key in ("iteration", "args", COMMON) or key.startswith(GROUP_META))
+    with bounded(f"the common state of {path}"):
+        state = load_dcp(path, lambda key: key in ("iteration", "args", COMMON) or key.startswith(GROUP_META))
     common = {k: v for k, v in state.items() if k in ("iteration", "args")}
     if isinstance(state.get(COMMON), CommonState):
         common["optimizer"] = state[COMMON].value
@@ -392,12 +406,21 @@ def fsdp_common(path: str) -> Dict[str, Any]:
 
 
 def check_paths(src: str, dst: str) -> None:
-    """The source is never the destination, inside it, or its parent (nor the reverse)."""
+    """The source is never the destination, inside it, or its parent (nor the reverse), nor
+    is it, or does it lie inside, ``DST.tmp``, where a new destination is built (:func:`owned`):
+    nothing the converter writes or removes holds the source."""
     a, b = os.path.realpath(src), os.path.realpath(dst)
     if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
         raise CheckpointError(
             f"the destination {dst} {'is' if a == b else 'contains' if a.startswith(b + os.sep) else 'is inside'} "
             f"the source {src}; write the converted checkpoint to a separate directory"
+        )
+    built = dst.rstrip("/") + STAGING
+    c = os.path.realpath(built)
+    if a == c or a.startswith(c + os.sep):
+        raise CheckpointError(
+            f"the source {src} {'is' if a == c else 'lies inside'} {built}, where the converter builds {dst}: "
+            "choose another destination"
         )
 
 
@@ -428,35 +451,56 @@ def owned(directory: str, purpose: str) -> Iterator[Tuple[str, Any]]:
     """A save directory to write into under this process's lock (``save_lock.take``), what
     interrupted writes of ours left there undone first; yields ``(where to write, lock)``.
 
-    An existing ``directory`` is written in place. A new one is built complete as
-    ``<directory>.tmp`` and renamed to ``directory`` when the block ends without error, so a
-    killed writer never leaves a partial ``directory`` (its ``.tmp`` is taken over and
-    cleared by the next writer of the same name); on an error it is removed."""
+    An existing ``directory`` is written in place. A new one is built complete inside the
+    staging container ``<directory>.tmp`` (``checkpoint.staging``: made by this process, or
+    left by a converter that is provably gone, never a folder it did not make) and renamed
+    to ``directory`` when the block ends without error, so a killed writer never leaves a
+    partial ``directory``; on an error the container is removed."""
     from megatron_muon.checkpoint.save_lock import take
 
     directory = directory.rstrip("/")
-    where = directory if os.path.exists(directory) else directory + STAGING
-    if where != directory:
-        os.makedirs(os.path.dirname(os.path.abspath(where)), exist_ok=True)
-    lock = take(where, purpose)
-    done = False
+    if os.path.lexists(directory):
+        lock = take(directory, purpose)
+        try:
+            for line in remove_leftovers(directory):
+                print(f"megatron_muon: {line}", flush=True)
+            yield directory, lock
+        finally:
+            lock.release()
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+    identity = staging.this_process()
+    container = _take_staging(directory + STAGING, directory, identity)
+    where = staging.inner(container, directory)
     try:
-        if where != directory:
-            for name in os.listdir(where):  # a killed writer's: the lock says it is gone
-                if name != os.path.basename(lock.path):
-                    path = os.path.join(where, name)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-        for line in remove_leftovers(where):
-            print(f"megatron_muon: {line}", flush=True)
+        lock = take(where, purpose)
+    except BaseException:
+        staging.remove(container, [identity["token"]])
+        raise
+    try:
         yield where, lock
-        done = True
+        if os.path.lexists(directory):
+            raise CheckpointError(f"{directory} appeared while the converter built it: it is left as it is")
+        os.rename(where, directory)
+        lock.moved_to(directory)
     finally:
-        if where != directory and done:
-            os.rename(where, directory)
-            lock.moved_to(directory)
         lock.release()
-        if where != directory and not done:
-            shutil.rmtree(where, ignore_errors=True)
+        staging.remove(container, [identity["token"]])
+
+
+def _take_staging(name: str, directory: str, identity: Dict[str, Any]) -> str:
+    """The staging container ``name`` for building ``directory``, made by this process; one a
+    killed converter left is removed first once its writer is provably gone (by its PID on
+    this machine, else by the heartbeat of the lock it took inside)."""
+    from megatron_muon.checkpoint.save_lock import LOCK, live_holder, process_gone
+
+    found = staging.marker(name)
+    if found is not None and process_gone(found) is None:
+        inner = staging.inner(name, directory)
+        holder = live_holder(inner) if os.path.lexists(os.path.join(inner, LOCK)) else staging.describe(found)
+        if holder is not None:
+            raise staging.NotOurs(f"{name} is being written by {holder}: wait for it to end, or write elsewhere")
+    return staging.make(name, identity, locked=found is not None, fixed=True)
 
 
 def publish_iteration(

@@ -42,7 +42,7 @@ from megatron_muon.checkpoint.integrity import (
 )
 from megatron_muon.checkpoint.optimizer_state import optimizer_kind, saved_keys, states_to_load
 from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
-from megatron_muon.checkpoint.unpickling import unpickling_patches
+from megatron_muon.checkpoint.reading import reader_patches, regular_files_only
 
 from .checkpoint_dirs import (
     COMMON_ITEMS,
@@ -288,11 +288,10 @@ def _wrap_read_metadata(original: Callable, guards: CheckpointGuards) -> Callabl
         if guards.resume_iteration is not None:
             return guards.resume_iteration, False
         if read_tracker(os.path.dirname(str(tracker_filename))) is None:
-            text = open(tracker_filename, errors="replace").read().strip()
             # Megatron-LM's own answer is sys.exit() with status 0: a "finished" job that trained nothing.
             raise CheckpointError(
-                f"{tracker_filename} is empty or unreadable ({text[:40]!r}): name the iteration to load "
-                "with --ckpt-step"
+                f"{tracker_filename} is empty or unreadable (it must hold an iteration number, or 'release'): "
+                "name the iteration to load with --ckpt-step"
             )
         return original(tracker_filename)
 
@@ -305,6 +304,8 @@ def _manifest_facts(checkpoint_dir: str) -> Tuple[bool, bool, Optional[Tuple[str
     holds what only megatron_muon writes)."""
     if not has_manifest(checkpoint_dir):
         record = saved_with_manifest(checkpoint_dir)
+        if not record:
+            regular_files_only(checkpoint_dir)  # raised on rank 0: on_rank0 in verify_before_read
         return False, record, None, not record and written_by_megatron_muon(checkpoint_dir)
     stat = os.stat(os.path.join(checkpoint_dir, MANIFEST))
     return True, True, (os.path.abspath(checkpoint_dir), stat.st_mtime_ns, stat.st_size), True
@@ -322,8 +323,10 @@ def verify_before_read(checkpoint_dir: str, first_read: bool, guards: Checkpoint
     if not dist.is_initialized():
         if has_manifest(checkpoint_dir):
             verify_manifest(checkpoint_dir, local=True, items=COMMON_ITEMS)
+        else:
+            regular_files_only(checkpoint_dir)
         return
-    manifest, record, stamp, ours = agreed(_manifest_facts(checkpoint_dir))
+    manifest, record, stamp, ours = on_rank0(lambda: _manifest_facts(checkpoint_dir), "reading", checkpoint_dir)
     if not manifest:
         if record:
             raise missing_manifest_error(checkpoint_dir)
@@ -501,7 +504,7 @@ def checkpoint_patches(training: Optional[Any] = None) -> List[Tuple[Any, str, A
     from .process_lifetime import writer_process_patches
 
     guards = CheckpointGuards()
-    patches = list(writer_process_patches()) + unpickling_patches()
+    patches = list(writer_process_patches()) + reader_patches()
     package = checkpointing.dist_checkpointing
     if not isinstance(package, GuardedDistCheckpointing):
         patches.append((checkpointing, "dist_checkpointing", package, GuardedDistCheckpointing(package, guards)))

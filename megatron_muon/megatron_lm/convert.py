@@ -57,11 +57,13 @@ from megatron_muon.checkpoint.optimizer_state import (
     require_ours,
 )
 from megatron_muon.checkpoint.optimizer_state import state_key as _state_key
-from megatron_muon.checkpoint.unpickling import read_dcp_metadata, torch_load
+from megatron_muon.checkpoint.reading import read_dcp_metadata
+from megatron_muon.checkpoint.unpickling import torch_load
 from megatron_muon.matrices import is_muon_matrix
 from megatron_muon.state import ADAM_STATES, MASTER, MOMENTUM
 
 from .checkpoint_dirs import (
+    RESAVE,
     Checkpoint,
     check_destination,
     check_paths,
@@ -195,23 +197,30 @@ def _read_resaved(source: str, iteration: int, common: Dict[str, Any], dst: str)
     reshardable by Megatron-LM (:mod:`.resave`) into a scratch directory inside ``dst`` (whose
     lock this process holds) that is removed afterwards, and read; its common state stays the
     source's."""
-    import shutil
+    from megatron_muon.checkpoint import save_lock, staging
 
-    from .resave import resave_fully_reshardable
+    from . import resave
 
     if not hasattr(common.get("args"), "world_size"):
         raise CheckpointError(
             f"{source} does not hold its run's arguments, which the re-save needs (saved by Megatron-LM?)"
         )
-    made = not os.path.exists(dst)
-    scratch = os.path.join(dst, iteration_dir_name(iteration) + ".resave.tmp")
+    made = not os.path.lexists(dst)
+    os.makedirs(dst, exist_ok=True)
+    lock = save_lock.held(dst)  # the converter's, on its destination: leftovers there are its own to clear
+    identity = lock.identity if lock is not None else staging.this_process()
+    scratch = staging.make(
+        os.path.join(dst, iteration_dir_name(iteration) + RESAVE), identity, locked=lock is not None, fixed=True
+    )
     try:
-        resaved = resave_fully_reshardable(os.path.dirname(source), iteration, common["args"], scratch)
+        resaved = resave.resave_fully_reshardable(
+            os.path.dirname(source), iteration, common["args"], staging.inner(scratch, "save")
+        )
         check_source(resaved)
         ckpt = read_checkpoint(resaved)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        if made and os.path.isdir(dst) and not os.listdir(dst):
+        staging.remove(scratch, [identity["token"]])
+        if made and not os.listdir(dst):
             os.rmdir(dst)
     ckpt.common = dict(common, optimizer=ckpt.common["optimizer"])
     return ckpt

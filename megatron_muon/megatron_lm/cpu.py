@@ -293,10 +293,13 @@ def free_port() -> int:
 
 def set_single_process_rendezvous() -> None:
     """Point ``env://`` at this machine when no launcher did (plain ``python script.py``):
-    ``MASTER_ADDR`` 127.0.0.1, a free ``MASTER_PORT``, ``RANK`` 0, ``WORLD_SIZE`` 1."""
+    ``MASTER_ADDR`` 127.0.0.1, ``RANK`` 0, ``WORLD_SIZE`` 1 and ``MASTER_PORT`` 0: the one
+    process's store binds a port the kernel picks at that moment (a port found free here and
+    bound later was taken in between once: ``EADDRINUSE``). Megatron-LM's in-process restart
+    derives its own ports from ``MASTER_PORT``: with ``--inprocess-restart``, a port free now."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["MASTER_PORT"] = str(free_port()) if "--inprocess-restart" in sys.argv else "0"
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")

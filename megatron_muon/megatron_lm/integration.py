@@ -370,16 +370,28 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
     ``--tensorboard-dir``), and as W&B ones with ``--wandb-project``; the update RMS is
     measured only in the steps whose statistics a log reports (:func:`measure_next_step`,
     ``measure_updates`` set for the next step here). The statistics are collective: every
-    rank computes them, the rank holding Megatron-LM's writers writes."""
+    rank computes them, the rank holding Megatron-LM's writers writes.
+
+    A job's first iteration that is also a logged one (``iteration % --log-interval == 0``:
+    every iteration at ``--log-interval 1``, the first after a resume from a save on the
+    interval) is logged as any logged iteration: Megatron-LM logs a job's first iteration
+    without resetting its loss sums (so that an interval's average holds all of its
+    iterations), and at a logged iteration the next line then averaged two iterations (a
+    resumed run's second loss was not the uninterrupted run's)."""
     signature = inspect.signature(original)
 
     @functools.wraps(original)
     def training_log(*a, **kw):
+        bound = signature.bind(*a, **kw)
+        iteration, args = bound.arguments["iteration"], _global_args(module)
+        if bound.arguments.get("is_first_iteration") and args is not None:
+            if iteration % max(1, args.log_interval) == 0:
+                bound.arguments["is_first_iteration"] = False
+                a, kw = bound.args, bound.kwargs
         result = original(*a, **kw)
-        args, optimizer = _global_args(module), installed.optimizer
+        optimizer = installed.optimizer
         if args is None or optimizer is None or not getattr(args, "tensorboard_dir", None):
             return result
-        iteration = signature.bind(*a, **kw).arguments["iteration"]
         interval = max(1, args.tensorboard_log_interval)
         optimizer.measure_updates = measure_next_step(args, optimizer, iteration)
         if iteration % interval:

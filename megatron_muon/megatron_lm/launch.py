@@ -17,23 +17,16 @@ import os
 import shlex
 import sys
 import traceback
-import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from megatron_muon.checkpoint.errors import CheckpointError, CheckpointIntegrityError, UnsafeCheckpointError
-from megatron_muon.checkpoint.integrity import has_manifest
-from megatron_muon.checkpoint.optimizer_state import optimizer_kind
+from megatron_muon.checkpoint.errors import CheckpointError, CheckpointIntegrityError
+from megatron_muon.checkpoint.reading import bounded
 
-from . import corpus, cpu, recipes
+from . import corpus, cpu, recipes, resume
 from .checkpoint_dirs import (
-    COMMON_ITEMS,
-    check_source,
     holds_a_run,
-    is_fsdp_dtensor,
     iteration_dir_name,
-    read_common,
-    read_tracker,
     same_directory,
 )
 from .integration import megatron_muon_group, use_megatron_muon
@@ -262,11 +255,14 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
     from megatron.training.arguments import parse_and_validate_args
 
     checks = (check_runnable_here, check_save_directory, check_checkpoint_to_load, corpus.check_data_prefixes)
-    with _megatron_argv(argv), _checked_after_parsing(*checks):
+    # Every read of --load's checkpoint and --save's lock here is bounded in time: a hung
+    # filesystem or a special file ends the job in one line instead of a silent wait.
+    with _megatron_argv(argv), bounded("what this job reads at start-up"), _checked_after_parsing(*checks):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
-        check_checkpoint_format(args)
-        check_optimizer_to_load(args)
+        resume.check_checkpoint_format(args)
+        resume.check_optimizer_to_load(args)
+        resume.check_resumed_arguments(args)
         take_save_directory(args, shlex.join([os.path.basename(sys.argv[0]), *argv]))
     return args
 
@@ -461,81 +457,6 @@ def take_save_directory(args: argparse.Namespace, command: str) -> None:
         take(args.save, f"tools/pretrain_gpt.py --save {args.save}", command)
     except CheckpointError as e:
         raise ValueError(str(e)) from e
-
-
-def _iteration_to_load(args: argparse.Namespace) -> Optional[Tuple[int, str]]:
-    """(iteration, its directory) that ``--load`` / ``--ckpt-step`` name; None without a
-    readable tracker naming an existing iteration (the load path resumes from the newest
-    that verifies then: ``checkpoint_guards``)."""
-    tracked = read_tracker(args.load)
-    if args.ckpt_step is not None:
-        iteration = args.ckpt_step
-    elif tracked is not None and tracked.isdigit():
-        iteration = int(tracked)
-    else:
-        return None
-    path = os.path.join(args.load.rstrip("/"), iteration_dir_name(iteration))
-    return (iteration, path) if os.path.isdir(path) else None
-
-
-def check_checkpoint_format(args: argparse.Namespace) -> None:
-    """``--optimizer muon --load`` of a checkpoint in the other format than the run's (an
-    fsdp_dtensor one without ``--use-megatron-fsdp``, a torch_dist one with it) stops here,
-    nothing built, with the converter command that moves it."""
-    from .integration import _ours
-
-    found = _iteration_to_load(args) if args.load and _ours(args) else None
-    if found is None:
-        return
-    fsdp = is_fsdp_dtensor(found[1])
-    if fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
-        return
-    src = args.load.rstrip("/")
-    dst = f"{src}_{'torch_dist' if fsdp else 'fsdp'}"
-    source = found[1] if args.ckpt_step is not None else src
-    command = f"python tools/convert_checkpoint.py {'to-torch-dist' if fsdp else 'to-fsdp-dtensor'} {source} {dst}"
-    what = "an fsdp_dtensor (Megatron-FSDP)" if fsdp else "a torch_dist (DistributedOptimizer)"
-    flag = "is without" if fsdp else "uses"
-    raise ValueError(f"--load {args.load} holds {what} checkpoint but this run {flag} --use-megatron-fsdp: "
-                     f"move it with `{command}`, then --load {dst}")  # fmt: skip
-
-
-def check_optimizer_to_load(args: argparse.Namespace) -> None:
-    """``--optimizer muon --load`` of an AdamW run (Megatron's distributed optimizer, in any of
-    its formats) stops here, before any model is built, with the converter command that
-    switches it to Muon (``adam-to-muon``; momentum from zeros, or ``--momentum exp_avg``).
-    ``--no-load-optim`` (weights only) loads as it is. The checkpoint's common state is
-    verified against its manifest first, then read through the restricted unpickler; a
-    checkpoint that fails either is refused here."""
-    from .integration import _ours
-
-    if not (args.load and _ours(args)) or args.no_load_optim:
-        return
-    found = _iteration_to_load(args)
-    if found is None:
-        return
-    iteration, iteration_dir = found
-    src = args.load.rstrip("/")
-    with warnings.catch_warnings():  # torch's notice that no process group exists yet
-        warnings.simplefilter("ignore")
-        check_source(iteration_dir, unverified=True, items=COMMON_ITEMS)
-        try:
-            common = read_common(iteration_dir)
-        except UnsafeCheckpointError:
-            raise
-        except CheckpointError:
-            return  # Megatron-LM reports what is wrong with it
-    if optimizer_kind(common.get("optimizer")) != "megatron":
-        return
-    muon = f"{src}_muon"
-    source = iteration_dir if args.ckpt_step is not None else src
-    unverified = "" if has_manifest(iteration_dir) else " --unverified-source"
-    steps = f"python tools/convert_checkpoint.py adam-to-muon {source} {muon}{unverified}"
-    raise ValueError(
-        f"--load {args.load} holds AdamW state (Megatron's distributed optimizer, iteration {iteration}), not Muon's: "
-        f"switch it with `{steps}` (--momentum exp_avg starts the momentum from AdamW's first moment), then --load {muon}"
-        " (or load its weights alone with --no-load-optim)"
-    )
 
 
 def validated_args(argv: Sequence[str], world_size: int = 1) -> argparse.Namespace:

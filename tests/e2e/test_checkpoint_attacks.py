@@ -55,6 +55,34 @@ def as_save_directory(iteration_dir: Path) -> Path:
     return iteration_dir.parent
 
 
+def splice_stored_object(checkpoint_dir: Path, fqn: str, placeholder: str, body: bytes) -> None:
+    """Replace the string ``placeholder`` in the stored object ``fqn`` (a torch file inside a
+    DCP data file) by what the pickle opcodes ``body`` push, as an attacker writing the bytes
+    does (Megatron-core's own save traverses a DAG it is given for ever): the new object is
+    appended to its data file and ``.metadata`` pointed at it."""
+    import io
+    import zipfile
+
+    from tests.helpers.crafted_pickles import splice
+
+    with open(checkpoint_dir / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own file: trusted here
+    (index,) = [i for i in metadata.storage_data if i.fqn.startswith(fqn)]
+    info = metadata.storage_data[index]
+    data = checkpoint_dir / info.relative_path
+    raw = data.read_bytes()[info.offset : info.offset + info.length]
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as z, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+        for name in z.namelist():
+            content = z.read(name)
+            w.writestr(name, splice(content, placeholder, body) if name.endswith("data.pkl") else content)
+    info.offset, info.length = data.stat().st_size, len(out.getvalue())
+    with open(data, "ab") as f:
+        f.write(out.getvalue())
+    with open(checkpoint_dir / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
 def _rewrite(src: str, dst: str, marker: str, where: str) -> None:
     """In a rank (writing needs a process group): ``src`` written again as ``dst`` with a
     payload in a stored object: Megatron-LM's common state (torch_dist) or fsdp_dtensor's
@@ -67,6 +95,9 @@ def _rewrite(src: str, dst: str, marker: str, where: str) -> None:
     os.makedirs(dst)
     if where == "common_state":
         ckpt.common["notes"] = [Payload(marker)]
+        write_checkpoint(dst, ckpt)
+    elif where == "common_dag":
+        ckpt.common["notes"] = "PLACEHOLDER"  # replaced by a list DAG (splice_stored_object)
         write_checkpoint(dst, ckpt)
     else:
         ckpt.common["iteration"] = Payload(marker)
@@ -104,10 +135,35 @@ def attacks(tmp_path_factory):
     forge_manifest(common_pt)
     out["common_pt"] = as_save_directory(common_pt)
 
-    for where in ("common_state", "fsdp_iteration"):
+    for where in ("common_state", "fsdp_iteration", "common_dag"):
         target = root / where / "iter_0000002"
         run_distributed(_rewrite, 1, str(good), str(target), str(marker), where, timeout_s=240)
         out[where] = as_save_directory(target)
+
+    from tests.helpers.crafted_pickles import list_dag, set_of, splice, tuple_dag
+
+    splice_stored_object(out["common_dag"] / "iter_0000002", "common_state", "PLACEHOLDER", list_dag(90))
+    forge_manifest(out["common_dag"] / "iter_0000002")
+
+    metadata_dag = root / "metadata_dag" / "iter_0000002"  # a set of a 90-level tuple DAG: hashed for ever
+    shutil.copytree(good, metadata_dag)
+    loaded.planner_data = "PLACEHOLDER"
+    (metadata_dag / ".metadata").write_bytes(
+        splice(pickle.dumps(loaded, protocol=2), "PLACEHOLDER", set_of(tuple_dag(90)))
+    )
+    forge_manifest(metadata_dag)
+    out["metadata_dag"] = as_save_directory(metadata_dag)
+
+    storage = root / "storage_path" / "iter_0000002"  # items read from /dev/zero: a large allocation
+    shutil.copytree(good, storage)
+    with open(storage / ".metadata", "rb") as f:
+        forged = pickle.load(f)
+    for info in forged.storage_data.values():
+        info.relative_path, info.length = "/dev/zero", 1 << 36
+    with open(storage / ".metadata", "wb") as f:
+        pickle.dump(forged, f)
+    forge_manifest(storage)
+    out["storage_path"] = as_save_directory(storage)
     assert not marker.exists()
     return out
 
@@ -155,6 +211,14 @@ def refused_in_one_line(proc, *says: str) -> str:
     return ours[0]
 
 
+CRAFTED = {
+    "metadata_dag": "through shared references",
+    "common_dag": "through shared references",
+    "storage_path": "places stored items in '/dev/zero'",
+}
+"""Checkpoints that hang or flood a reader without running code, and what refuses each."""
+
+
 @pytest.mark.timeout(900)
 def test_payloads_never_run_from_the_main_job(attacks, tmp_path):
     """``--load`` of each: refused in one line naming the type, at start-up (our check reads
@@ -164,6 +228,10 @@ def test_payloads_never_run_from_the_main_job(attacks, tmp_path):
     for name in ("metadata", "common_state", "common_pt"):
         proc = launch(PRETRAIN + MUON_JOB + cache + ["--load", str(attacks[name]), "--save", str(tmp_path / name)])
         refused_in_one_line(proc, SYSTEM)
+    for name, says in CRAFTED.items():  # --no-load-optim: the start-up check skips the optimizer, not the reads
+        for optim in ([], ["--no-load-optim"]):
+            job = PRETRAIN + MUON_JOB + cache + optim + ["--load", str(attacks[name]), "--save", str(tmp_path / name)]
+            refused_in_one_line(launch(job), says)
     proc = launch(PRETRAIN + MUON_JOB + FSDP + cache + ["--load", str(attacks["fsdp_iteration"])])
     refused_in_one_line(proc, SYSTEM)
     weights_only = ["--no-load-optim", "--load", str(attacks["common_state"]), "--save", str(tmp_path / "w")]
@@ -202,6 +270,13 @@ def test_payloads_never_run_from_the_converter(attacks, tmp_path):
     assert code == 2 and SYSTEM in err and len(err.strip().splitlines()) == 1, err
     integrity = [PRETRAIN[0], "-m", "megatron_muon.checkpoint.integrity", "write"]
     refused_in_one_line(launch(integrity + [str(attacks["metadata"] / "iter_0000002")]), SYSTEM)
+    for name, says in CRAFTED.items():
+        for command in ("inspect", "muon-to-adam"):
+            out = [] if command == "inspect" else [str(tmp_path / f"{command}_{name}")]
+            code, err = in_process(command, str(attacks[name]), *out)
+            assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (command, name, err)
+    for name in ("metadata_dag", "storage_path"):
+        refused_in_one_line(launch(integrity + [str(attacks[name] / "iter_0000002")]), CRAFTED[name])
     assert not attacks["marker"].exists()
 
 

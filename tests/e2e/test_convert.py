@@ -428,6 +428,35 @@ def test_converter_never_loses_data(driver_checkpoints, tmp_path, capsys):
     assert tree(ckpt) == before
 
 
+def test_the_converter_touches_only_what_it_made(driver_checkpoints, tmp_path):
+    """A new destination DST is built in DST.tmp. A source that is DST.tmp or lies in it
+    (``muon-to-adam run.tmp run`` deleted the whole run), a user's folder named DST.tmp and a
+    symlink DST.tmp to a folder elsewhere (both were emptied): refused in one line, exit code
+    2, every file where it was."""
+    import shutil
+
+    run = tmp_path / "run.tmp"
+    shutil.copytree(driver_checkpoints / "muon", run)
+    mine = tmp_path / "adam.tmp"
+    (mine / "notes").mkdir(parents=True)
+    (mine / "notes" / "thesis.tex").write_text("three years of work")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(mine, elsewhere)
+    os.symlink(elsewhere, tmp_path / "linked.tmp")
+    before = tree(tmp_path)
+    for src, dst, says in (
+        (run, tmp_path / "run", "where the converter builds"),
+        (run / "iter_0000006", tmp_path / "run", "where the converter builds"),
+        (driver_checkpoints / "muon", tmp_path / "adam", "not made by megatron_muon"),
+        (driver_checkpoints / "muon", tmp_path / "linked", "a symlink, not made by megatron_muon"),
+    ):
+        done = converter("muon-to-adam", str(src), str(dst))
+        lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+        assert done.returncode == 2 and len(lines) == 1 and says in lines[0], (src, dst, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+        assert tree(tmp_path) == before and not dst.exists()
+
+
 def test_converter_keeps_the_tracker_and_refuses_unverified_sources(driver_checkpoints, tmp_path, capsys):
     """The destination's tracker never moves back without --overwrite; a source without its
     manifest is refused (always when it was saved with one), converted with

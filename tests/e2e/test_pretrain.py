@@ -235,9 +235,8 @@ def test_expert_parallel_adamw_run_switches_to_muon_and_back(cache, tmp_path):
     check refuses ``--optimizer muon --load`` of it naming the converter; adam-to-muon
     converts both optimizers of the chain and the Muon run resumes from the same weights
     (its first loss is AdamW's); muon-to-adam writes Megatron's chain again and AdamW
-    resumes from the Muon run's weights. (A resumed job's second log line averages its
-    first two iterations: compared at the first and third.)"""
-    from megatron_muon.megatron_lm.launch import check_optimizer_to_load
+    resumes from the Muon run's weights."""
+    from megatron_muon.megatron_lm.resume import check_optimizer_to_load
 
     adam, muon, back = tmp_path / "adam", tmp_path / "muon", tmp_path / "back"
     job = TWO_RANKS + ["--recipe", "tiny_moe_mla", "--expert-model-parallel-size", "2", "--bf16",
@@ -301,12 +300,9 @@ def test_first_run_of_load_and_save_in_one_directory_says_it_starts_new(uninterr
 
 
 def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cache):
-    """Load iteration 3 at TP1 (iterations 4..6 repeat the uninterrupted run exactly) and under
-    torchrun at TP2 (the same to reduction-order noise).
-
-    Megatron-LM's second log line of a job averages its first two iterations (the loss sums
-    are not reset after the first line), so iteration 5 of a resumed job logs the mean of 4
-    and 5: compared at 4, 6 and the validation losses."""
+    """Load iteration 3 at TP1 (iterations 4..6 repeat the uninterrupted run exactly, as logged:
+    Megatron-LM's own second log line of a job averaged its first two iterations, 4 and 5)
+    and under torchrun at TP2 (the same to reduction-order noise)."""
     ckpt = uninterrupted["ckpt"]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
     assert (ckpt / "iter_0000003" / ".metadata").is_file()  # torch_dist
@@ -315,14 +311,35 @@ def test_save_then_resume_same_and_other_tensor_parallel_size(uninterrupted, cac
     resume = COMMON + ["--data-cache-path", str(cache), "--load", str(ckpt), "--ckpt-step", "3"]
     same = run(PRETRAIN + resume)
     assert sorted(losses(same)) == [4, 5, 6]
-    assert all(losses(same)[i] == full[i] for i in (4, 6)), (losses(same), full)
-    assert losses(same)[5] == pytest.approx((full[4] + full[5]) / 2, abs=1e-5)
+    assert all(losses(same)[i] == full[i] for i in (4, 5, 6)), (losses(same), full)
     assert validation(same)[6] == validation(uninterrupted["stdout"])[6]
     tp2 = run(TWO_RANKS + resume + ["--tensor-model-parallel-size", "2"], timeout=300)
     assert "tensor-model-parallel size: 2" in tp2
     assert (
         abs(losses(tp2)[6] - full[6]) < 2e-2 and abs(validation(tp2)[6] - validation(uninterrupted["stdout"])[6]) < 2e-2
     )
+
+
+def test_a_resume_that_changes_the_model_or_the_schedule_is_one_line_before_any_model(uninterrupted, cache):
+    """``--load`` of the run's checkpoint with another ``--num-layers`` or ``--train-iters``:
+    Megatron-LM asserts on both once the model is built (a traceback). Refused at start-up in
+    one line naming the argument and both values (tests.helpers.bad_input runs the start-up);
+    ``--override-opt_param-scheduler`` takes this run's schedule, as in Megatron-LM."""
+    import json
+
+    load = COMMON + ["--data-cache-path", str(cache), "--load", str(uninterrupted["ckpt"]), "--ckpt-step", "3"]
+    cases = [load + ["--num-layers", "4"], load + ["--train-iters", "12"],
+             load + ["--train-iters", "12", "--override-opt_param-scheduler"]]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "tests.helpers.bad_input"], input=json.dumps(cases), cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (layers, iters, overridden) = json.loads(proc.stdout)
+    for (code, stderr, _), says in ((layers, ("--num-layers 4", "--num-layers 2")),
+                                    (iters, ("--train-iters 12", "6"))):  # fmt: skip
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("pretrain_gpt.py: error: "), stderr[-2000:]
+        assert all(said in lines[0] for said in says) and "Traceback" not in stderr, lines[0]
+    assert overridden[0] == 0, overridden[1][-2000:]
 
 
 DEFAULT_FORMAT = [a for a in COMMON if a != "--dist-ckpt-optim-fully-reshardable"]
@@ -398,7 +415,7 @@ def test_megatron_fsdp_adamw_checkpoint_resumes_and_switches_to_muon_and_back(ca
     variance reduction's second moment at zero: the AdamW checkpoint has none). muon-to-adam
     converts the Muon run's checkpoint back, dense and expert groups alike, and AdamW goes on
     from Muon's weights."""
-    from megatron_muon.megatron_lm.launch import check_optimizer_to_load
+    from megatron_muon.megatron_lm.resume import check_optimizer_to_load
 
     ckpt, muon, muon_run, back = (tmp_path / name for name in ("ckpt", "muon", "muon_run", "back"))
 
@@ -447,12 +464,12 @@ def adamw_runs(cache, tmp_path_factory) -> Dict[str, dict]:
 def test_adamw_baseline_resumes_exactly(adamw_runs, precision):
     """The AdamW peer (Megatron's DistributedOptimizer with torch's AdamW on the CPU), saved
     with Megatron-LM's default distributed-optimizer format, resumes as the uninterrupted
-    run goes on: bit for bit at iterations 4 and 6 (5 logs the mean of 4 and 5). It failed
-    to load in fp32 and resumed with a wrong Adam step (bias correction) in bf16."""
+    run goes on: bit for bit at iterations 4, 5 and 6, as logged. It failed to load in fp32
+    and resumed with a wrong Adam step (bias correction) in bf16."""
     full = adamw_runs[precision]
     resumed = run(PRETRAIN + full["args"] + ["--load", str(full["ckpt"]), "--ckpt-step", "3"])
     assert sorted(losses(resumed)) == [4, 5, 6], resumed[-2000:]
-    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 6)), (losses(resumed), full["stdout"])
+    assert all(losses(resumed)[i] == losses(full["stdout"])[i] for i in (4, 5, 6)), (losses(resumed), full["stdout"])
     assert validation(resumed)[6] == validation(full["stdout"])[6]
 
 

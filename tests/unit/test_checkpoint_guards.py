@@ -25,7 +25,7 @@ from megatron_muon.checkpoint.integrity import (
     verify_manifest,
     write_manifest,
 )
-from megatron_muon.checkpoint.publish import recover_interrupted_swap, swap_into_place
+from megatron_muon.checkpoint.publish import recover_interrupted_swap
 from megatron_muon.megatron_lm import checkpoint_dirs as D
 from megatron_muon.megatron_lm import checkpoint_guards as G
 from megatron_muon.megatron_lm.expert_bias import PendingExpertBias, _wrap_train_step, _wrap_update_router_expert_bias
@@ -52,23 +52,27 @@ def read(path: Path) -> str:
     return (path / "data.distcp").read_text()
 
 
+def writes(content: str):
+    """A writer for ``publish``: the one data file of :func:`saved`."""
+    return lambda staging: (Path(staging) / "data.distcp").write_text(content)
+
+
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "two-renames"])
 def test_swap_replaces_only_a_complete_copy(tmp_path, exchange):
     target = saved(tmp_path / "iter_0000003", "old")
-    staging = saved(tmp_path / "iter_0000003.tmp", "new")
     with mock.patch.object(checkpoint, "_exchange", wraps=checkpoint._exchange if exchange else lambda a, b: False):
-        swap_into_place(str(staging), str(target))
+        checkpoint.publish(str(target), writes("new"))
     assert read(target) == "new" and sorted(os.listdir(tmp_path)) == ["iter_0000003"]
     # an empty directory made for the save is replaced; a new target is renamed in
     (tmp_path / "iter_0000004").mkdir()
-    swap_into_place(str(saved(tmp_path / "iter_0000004.tmp", "four")), str(tmp_path / "iter_0000004"))
-    swap_into_place(str(saved(tmp_path / "iter_0000005.tmp", "five")), str(tmp_path / "iter_0000005"))
+    checkpoint.publish(str(tmp_path / "iter_0000004"), writes("four"))
+    checkpoint.publish(str(tmp_path / "iter_0000005"), writes("five"))
     assert [read(tmp_path / f"iter_000000{i}") for i in (4, 5)] == ["four", "five"]
+    assert sorted(os.listdir(tmp_path)) == [f"iter_000000{i}" for i in (3, 4, 5)]
 
 
 def test_a_swap_killed_between_its_renames_is_undone_at_load(tmp_path):
     target = saved(tmp_path / "iter_0000003", "old")
-    staging = saved(tmp_path / "iter_0000003.tmp", "new")
     real_rename = os.rename
 
     def die_after_first(src, dst):
@@ -77,8 +81,9 @@ def test_a_swap_killed_between_its_renames_is_undone_at_load(tmp_path):
 
     with mock.patch.object(checkpoint, "_exchange", return_value=False), mock.patch("os.rename", die_after_first):
         with pytest.raises(KeyboardInterrupt):
-            swap_into_place(str(staging), str(target))
-    assert not target.exists() and read(tmp_path / "iter_0000003.old") == "old"
+            checkpoint.publish(str(target), writes("new"))
+    assert not target.exists() and read(tmp_path / "iter_0000003.old" / "iter_0000003") == "old"
+    assert checkpoint.resolve_checkpoint_dir(str(target)) == str(tmp_path / "iter_0000003.old" / "iter_0000003")
     (tmp_path / D.TRACKER).write_text("3")
     assert (
         G.choose_iteration(str(tmp_path), owned=True, choose=True) is None
@@ -92,8 +97,14 @@ def test_unreadable_tracker_resumes_from_the_newest_iteration_that_verifies(tmp_
         saved(tmp_path / f"iter_000000{i}", f"state {i}")
     (tmp_path / "iter_0000006" / "data.distcp").write_text("state 7")  # corrupt: fails its manifest
     (tmp_path / "iter_0000008").mkdir()  # a first save killed before anything was written
-    saved(tmp_path / "iter_0000008.tmp", "unfinished")
-    for tracker in ("", "\x00\x00", "6x"):
+
+    def write_then_die(staging):
+        writes("unfinished")(staging)
+        raise KeyboardInterrupt  # stands in for SIGKILL: nothing after it runs
+
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.publish(str(tmp_path / "iter_0000008"), write_then_die)
+    for tracker in ("", "\x00\x00", "6x", "³", "٦"):  # the last two are digits, not ASCII ones
         (tmp_path / D.TRACKER).write_text(tracker)
         assert G.choose_iteration(str(tmp_path), owned=True, choose=True) == 4
         assert "resuming from iter_0000004, the newest iteration that verifies" in capsys.readouterr().out
@@ -230,6 +241,13 @@ def test_the_manifest_lists_the_whole_directory(tmp_path):
         (ckpt / MANIFEST).write_text(json.dumps(emptied))
         with pytest.raises(CheckpointIntegrityError, match="lists no files|is not a manifest"):
             verify_manifest(str(ckpt))
+    # a table of another shape (it raised AttributeError, a traceback) is not a manifest either
+    for malformed in ({"sizes": []}, {"items": []}, {"sizes": {"data.distcp": "1"}}, {"items": {"data.distcp": [[1]]}}):
+        (ckpt / MANIFEST).write_text(json.dumps({**manifest, **malformed}))
+        for items in (None, ("common_state",)):
+            with pytest.raises(CheckpointIntegrityError, match="is not a manifest") as error:
+                verify_manifest(str(ckpt), items=items)
+            assert "\n" not in str(error.value)
     (ckpt / MANIFEST).write_text(json.dumps(manifest))
     verify_manifest(str(ckpt), items=("common_state",))
     (ckpt / RECORD).unlink()
@@ -268,3 +286,25 @@ def test_the_format_is_read_from_the_record_then_the_files(tmp_path):
     torch_dist.mkdir()
     (torch_dist / "metadata.json").write_text("{}")
     assert D.checkpoint_format(str(torch_dist)) == "torch_dist" and D.checkpoint_format(str(tmp_path)) == "unknown"
+
+
+def test_a_full_disk_is_named_even_once_the_staging_directory_freed_it(tmp_path):
+    """A write that fails for want of space without saying so (Megatron-core's writer workers
+    raise "An error is caught while starting worker 0", the OS error gone): the disk is full
+    when it fails, no longer once the staging directory it filled is removed. The failure is
+    judged before the removal: one line naming the full disk (it was a 1,000-line traceback)."""
+    target = tmp_path / "save" / "iter_0000008"
+
+    def fills_the_disk(staging):
+        (Path(staging) / "__0_0.distcp").write_text("x" * 1000)
+        raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
+
+    def full_while_staged(directory):  # full while the staging directory holds the space
+        return any(p.name.startswith("iter_0000008.tmp") for p in (tmp_path / "save").iterdir())
+
+    with mock.patch.object(checkpoint, "disk_full", full_while_staged):
+        with pytest.raises(CheckpointError) as error:
+            checkpoint.publish(str(target), fills_the_disk)
+    said = str(error.value)
+    assert "No space left on device" in said and "--save" in said and "\n" not in said, said
+    assert os.listdir(tmp_path / "save") == []

@@ -114,3 +114,90 @@ def test_an_unwritable_directory_is_one_line(tmp_path):
     (tmp_path / "a_file").write_text("")
     with pytest.raises(CheckpointError, match="cannot be written .*choose another"):
         L.take(str(tmp_path / "a_file" / "run"), "job")
+
+
+def _unshare_pid_works() -> bool:
+    """Whether this machine lets a process start in a PID namespace of its own (root, or user
+    namespaces) with its own /proc."""
+    try:
+        done = subprocess.run(["unshare", "-fp", "--mount-proc", "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+HOLDER = """
+import os, sys, time
+from megatron_muon.checkpoint import SaveDirectoryLockedError, save_lock
+try:
+    lock = save_lock.take(sys.argv[1], "job " + sys.argv[2])
+except SaveDirectoryLockedError as e:
+    print("refused:", e, flush=True)
+    sys.exit(0)
+print("took", flush=True)
+if sys.argv[3] == "-":  # only trying
+    sys.exit(0)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.05)
+lock.confirm()  # raises if another job took it meanwhile
+print("still held", flush=True)
+"""
+
+
+@pytest.mark.skipif(not _unshare_pid_works(), reason="no PID namespaces here (unshare -fp --mount-proc)")
+@pytest.mark.parametrize("first_in_namespace", [True, False], ids=["holder-in-namespace", "taker-in-namespace"])
+def test_jobs_in_two_pid_namespaces_never_take_the_lock_from_each_other(tmp_path, first_in_namespace):
+    """A job in a PID namespace of its own (a container sharing the host's name, as with host
+    networking) has another PID there than here: judged by PID, each looked ended to the
+    other and took its lock, and both saved into one directory. Judged by the heartbeat
+    instead, the second job is refused, naming the first, which keeps its lock."""
+    from tests.helpers import REPO
+
+    namespace = ["unshare", "-fp", "--mount-proc", "--kill-child"]  # the job dies with unshare
+    go = tmp_path / "go"
+    first = subprocess.Popen(
+        (namespace if first_in_namespace else [])
+        + [sys.executable, "-c", HOLDER, str(tmp_path / "save"), "A", str(go)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert first.stdout.readline().strip() == "took"
+        second = subprocess.run(
+            ([] if first_in_namespace else namespace)
+            + [sys.executable, "-c", HOLDER, str(tmp_path / "save"), "B", "-"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert second.stdout.startswith("refused:") and "is being written by job A" in second.stdout, second
+        go.write_text("")
+        assert first.communicate(timeout=60)[0].strip() == "still held"
+    finally:
+        go.write_text("")
+        first.kill()
+        first.wait()
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink", "fifo"])
+def test_a_lock_that_is_not_a_file_is_named_and_left_as_it_is(tmp_path, kind):
+    """``megatron_muon.lock`` that is a directory (made by hand, or by an old tool), a symlink
+    or a FIFO: refused in one line saying what it is (it was moved aside, then reported as a
+    permissions problem), left where it was."""
+    path = tmp_path / L.LOCK
+    if kind == "directory":
+        path.mkdir()
+        (path / "notes").write_text("mine")
+    elif kind == "symlink":
+        (tmp_path / "elsewhere").write_text("{}")
+        os.symlink(tmp_path / "elsewhere", path)
+    else:
+        os.mkfifo(path)
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(SaveDirectoryLockedError) as error:
+        L.take(str(tmp_path), "job B")
+    said = str(error.value)
+    assert f"{path} is a {kind if kind != 'fifo' else 'FIFO'}, not a lock" in said and "\n" not in said, said
+    assert sorted(os.listdir(tmp_path)) == before

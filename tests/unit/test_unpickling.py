@@ -1,7 +1,7 @@
 """Reading a checkpoint never runs code stored in it (``megatron_muon.checkpoint.unpickling``),
 one process, no model: a pickle naming anything outside the allowlist is refused before
 anything is called, naming the type; what Megatron-LM's and our checkpoints hold loads; the
-readers of torch DCP and Megatron-core go through it inside ``restricted_unpickling`` and are
+readers of torch DCP and Megatron-core go through it inside ``restricted_reading`` and are
 restored after it."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from megatron_muon.checkpoint import UnsafeCheckpointError
-from megatron_muon.checkpoint.unpickling import load_pickle, restricted_unpickling, torch_load
+from megatron_muon.checkpoint.reading import restricted_reading
+from megatron_muon.checkpoint.unpickling import load_pickle, torch_load
 
 
 class Payload:
@@ -94,10 +95,10 @@ def test_torch_dcp_and_megatron_readers_are_restricted_inside_the_block_only(tmp
         return (FileSystemReader.read_metadata, DefaultLoadPlanner.load_bytes, common.load_common)
 
     before = readers()  # restricted already where a test of this process installed Megatron-LM's hooks
-    with restricted_unpickling():
+    with restricted_reading():
         patched = readers()
         assert all(hasattr(f, "__wrapped__") for f in patched)  # ours, wrapping torch's / Megatron's
-        with restricted_unpickling():  # reentrant
+        with restricted_reading():  # reentrant
             assert readers() == patched
         assert readers() == patched
     assert readers() == before
@@ -106,7 +107,7 @@ def test_torch_dcp_and_megatron_readers_are_restricted_inside_the_block_only(tmp
 
     marker = tmp_path / "marker"
     dcp.save({"t": torch.ones(2), "obj": {"iteration": Payload(str(marker))}}, checkpoint_id=str(tmp_path / "c"))
-    with restricted_unpickling():
+    with restricted_reading():
         metadata = FileSystemReader(str(tmp_path / "c")).read_metadata()  # DCP's own classes load
         assert "t" in metadata.state_dict_metadata
         with pytest.raises(BaseException) as error:
@@ -114,3 +115,126 @@ def test_torch_dcp_and_megatron_readers_are_restricted_inside_the_block_only(tmp
     from megatron_muon.checkpoint.errors import checkpoint_error_in
 
     assert "posix.system" in str(checkpoint_error_in(error.value)) and not marker.exists()
+
+
+# ---------------------------------------------------------------------------------------
+# A checkpoint builds data, never changes a class, and cannot make its reader hang
+# ---------------------------------------------------------------------------------------
+
+CLASSES_AND_FUNCTIONS = [
+    ("argparse", "Namespace"),  # every getattr(args, X, default) of Megatron-LM would read the class's X
+    ("types", "SimpleNamespace"),
+    ("torch.distributed.checkpoint.metadata", "MetadataIndex"),
+    ("megatron.core.optimizer.optimizer_config", "OptimizerConfig"),
+    ("megatron_muon.checkpoint.fsdp_dtensor", "CommonState"),
+    ("pathlib", "PosixPath"),
+    ("megatron.core.rerun_state_machine", "RerunMode"),
+    ("torch._utils", "_rebuild_tensor_v2"),
+]
+
+
+@pytest.mark.parametrize("module,name", CLASSES_AND_FUNCTIONS, ids=[n for _, n in CLASSES_AND_FUNCTIONS])
+def test_build_on_an_allowed_class_or_function_is_refused_and_changes_nothing(module, name):
+    """Pickle's BUILD with a slot state on a global does ``setattr(global, ...)``: a checkpoint
+    would set class attributes process-wide (``argparse.Namespace.dataloader_save``)."""
+    import importlib
+
+    from tests.helpers.crafted_pickles import build_on_global, whole
+
+    target = importlib.import_module(module)
+    for part in name.split("."):
+        target = getattr(target, part)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="BUILD") as error:
+            load_pickle(io.BytesIO(whole(build_on_global(module, name, "dataloader_save", "/x"))), ".metadata")
+        assert "dataloader_save" not in vars(target) and "\n" not in str(error.value)
+    finally:
+        if "dataloader_save" in vars(target):
+            delattr(target, "dataloader_save")
+
+
+def test_build_on_an_enum_member_is_refused_and_an_enum_name_never_resolves_to_enum_itself():
+    """An enum member is a process-wide singleton (Megatron-LM compares arguments with it);
+    ``megatron.core.X.Enum`` (a module that imported it) is ``enum.Enum``, not one of
+    Megatron-core's enums."""
+    import enum
+
+    from megatron.core.rerun_state_machine import RerunMode
+
+    from megatron_muon.checkpoint.unpickling import allowed
+    from tests.helpers.crafted_pickles import global_, text, whole
+
+    state = pickle.NONE + pickle.EMPTY_DICT + text("_value_") + text("validate_results") + pickle.SETITEM
+    member = global_("megatron.core.rerun_state_machine", "RerunMode") + text("disabled") + pickle.TUPLE1
+    crafted = whole(member + pickle.REDUCE + state + pickle.TUPLE2 + pickle.BUILD)
+    try:
+        with pytest.raises(UnsafeCheckpointError, match="BUILD"):
+            load_pickle(io.BytesIO(crafted), ".metadata")
+        assert RerunMode.DISABLED.value == "disabled"
+    finally:
+        RerunMode.DISABLED._value_ = "disabled"
+    assert allowed("megatron.core.rerun_state_machine", "Enum") is None
+    assert allowed("megatron.core.rerun_state_machine", "RerunMode") is RerunMode and RerunMode is not enum.Enum
+
+
+DAG_READS = r"""
+import io, json, sys, zipfile
+import torch
+from megatron_muon.checkpoint import UnsafeCheckpointError
+from megatron_muon.checkpoint.unpickling import load_pickle, torch_load
+from tests.helpers.crafted_pickles import global_, list_dag, set_of, splice, tuple_dag, whole
+import pickle
+
+def as_torch_file(body):
+    plain = io.BytesIO()
+    torch.save({"args": "PLACEHOLDER"}, plain)
+    out = io.BytesIO()
+    with zipfile.ZipFile(plain) as z, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as w:
+        for name in z.namelist():
+            data = z.read(name)
+            w.writestr(name, splice(data, "PLACEHOLDER", body) if name.endswith("data.pkl") else data)
+    out.seek(0)
+    return out
+
+frozen = global_("builtins", "frozenset") + pickle.MARK + tuple_dag(90) + pickle.LIST + pickle.TUPLE1 + pickle.REDUCE
+cases = {
+    "tuple DAG in a set": set_of(tuple_dag(90)),
+    "tuple DAG in a frozenset": frozen,
+    "tuple DAG as a dict key": pickle.EMPTY_DICT + tuple_dag(90) + pickle.NONE + pickle.SETITEM,
+    "list DAG": list_dag(90),
+    "deep nesting": pickle.EMPTY_TUPLE + pickle.TUPLE1 * 100_000,
+}
+results = {}
+for name, body in cases.items():
+    for reader in ("load_pickle", "torch_load"):
+        try:
+            if reader == "load_pickle":
+                load_pickle(io.BytesIO(whole(body)), ".metadata")
+            else:
+                torch_load(as_torch_file(body), "the stored object common_state/shard_0_1")
+            results[f"{name} ({reader})"] = "loaded"
+        except UnsafeCheckpointError as e:
+            results[f"{name} ({reader})"] = str(e)
+print(json.dumps(results))
+"""
+
+
+def test_a_dag_or_deep_nesting_is_refused_while_loading_before_anything_hashes_it(tmp_path):
+    """A few hundred bytes of pickle can hold a tuple DAG whose hash visits 2**90 leaves (in a
+    set, a frozenset, a dict key: hashed while it loads), a list DAG that every print or
+    format of it expands, or 100,000 nested tuples (a C recursion in their hash): each is
+    refused while it loads, in one line, through both readers. In a child process: a reader
+    without the bounds hashes for ever (its hang ends the child at the timeout, failing here)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    proc = subprocess.run([sys.executable, "-c", DAG_READS], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 10
+    for case, said in results.items():
+        assert said != "loaded" and "\n" not in said, (case, said)
+        assert said.startswith((".metadata holds", "the stored object common_state/shard_0_1 holds")), (case, said)
