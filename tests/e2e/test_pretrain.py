@@ -220,6 +220,24 @@ def test_megatron_fsdp_logs_the_distributed_optimizer_losses(two_rank_runs, reci
     _same_run(two_rank_runs(recipe, *layout, *MEGATRON_FSDP.split()), two_rank_runs(recipe, *layout))
 
 
+def test_deepseek_v3_style_multi_token_prediction_trains(cache, tmp_path):
+    """MLA + MoE at EP2 with one MTP layer (DeepSeek-V3's layout): Megatron-LM builds the MTP
+    layer with our attention (its own default spec fails on MLA's head sizes), logs its loss,
+    both losses fall, and QK-Clip clips the MTP layer's heads as well: with a threshold below
+    every logit, all 4 heads of 3 attention layers (2 decoder, 1 MTP) at the first step (later
+    a clipped head sits near the threshold and may stay under it)."""
+    tb = tmp_path / "tb"
+    cmd = short_run("tiny_moe_mla", cache, "--expert-model-parallel-size", "2", "--mtp-num-layers", "1",
+                    "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tb), iterations=8)  # fmt: skip
+    stdout = run(TWO_RANKS[:-1] + cmd[1:], timeout=300)
+    mtp = {int(i): float(v) for i, v in re.findall(r"iteration\s+(\d+)/.*?\| mtp_1 loss: ([0-9.E+-]+) \|", stdout)}
+    lm = losses(stdout)
+    assert sorted(mtp) == sorted(lm) == list(range(1, 9)), stdout[-3000:]
+    assert lm[8] < lm[1] and mtp[8] < mtp[1], (lm, mtp)
+    clipped = _tensorboard_scalars(tb)["muon/qk-clip-heads-clipped"]
+    assert clipped[0] == 12.0 and all(0 < n <= 12 for n in clipped), clipped
+
+
 def test_megatron_core_muon_side_by_side_in_bf16(cache):
     """--muon-impl megatron, the side-by-side peer the docs offer, trains in bf16."""
     stdout = run(short_run("tiny_gqa", cache, "--muon-impl", "megatron", "--bf16"))
