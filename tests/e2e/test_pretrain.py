@@ -102,10 +102,13 @@ def test_tensorboard_and_wandb_hold_megatron_lm_and_muon_scalars(cache, tmp_path
     """--tensorboard-dir: Megatron-LM's scalars and Muon's (update RMS, max and mean attention
     logit, heads clipped, skipped steps, step time) at every log interval; with a low
     threshold QK-Clip clips heads every step. W&B (offline, --wandb-project) gets the same
-    numbers under the same names."""
+    numbers under the same names. The run's record (argument listing, TensorBoard's text,
+    W&B's config) holds the Muon settings that run (:func:`_assert_records_muon_settings`)."""
     wandb = tmp_path / "wandb"
-    run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tmp_path / "tb"),
-                  "--wandb-project", "muon", "--wandb-exp-name", "tb", "--wandb-save-dir", str(wandb)))  # fmt: skip
+    stdout = run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir",
+                           str(tmp_path / "tb"), "--wandb-project", "muon", "--wandb-exp-name", "tb",
+                           "--wandb-save-dir", str(wandb), "--muon-momentum", "0.93"))  # fmt: skip
+    _assert_records_muon_settings(stdout, tmp_path / "tb", wandb, dict(muon_momentum=0.93, muon_step_overlap="none"))
     scalars = _tensorboard_scalars(tmp_path / "tb")
     logged = wandb_offline.scalars(wandb)
     for tag in ("lm loss", "grad-norm", *(t for t in scalars if t.startswith("muon/"))):
@@ -125,6 +128,11 @@ def test_tensorboard_and_wandb_hold_megatron_lm_and_muon_scalars(cache, tmp_path
     assert all(0.01 < v < 1.0 for v in scalars["muon/update-rms"])
     assert all(v > 0 for v in scalars["muon/qk-clip-heads-clipped"])
     assert scalars["muon/max-attention-logit"] == pytest.approx(scalars["max_attention_logit"])
+    # The console says what TensorBoard holds: the max logit in each iteration's line, and
+    # where the step runs ('auto' without --overlap-param-gather: inside step()).
+    console = [float(v) for v in re.findall(r"\| max attention logit: ([0-9.]+) \|$", stdout, re.M)]
+    assert console == pytest.approx(scalars["max_attention_logit"], abs=1e-3), console
+    assert "megatron_muon: the Muon step runs whole inside optimizer.step(): --muon-step-overlap auto" in stdout
     assert all(m >= a > 0 for m, a in zip(scalars["muon/max-attention-logit"], scalars["muon/mean-attention-logit"]))
 
 
@@ -147,6 +155,36 @@ def test_profiler_trace_shows_the_muon_step(cache, tmp_path):
         assert f"muon/{phase}" in names, (phase, sorted(n for n in names if n.startswith("muon/")))
     backward = max(e["ts"] for e in inside if e["name"].startswith("autograd::engine::evaluate_function"))
     assert all(e["ts"] > backward for e in inside if e["name"] == "muon/newton_schulz")
+
+
+def _assert_records_muon_settings(stdout: str, tb: Path, wandb: Path, given: dict) -> None:
+    """Megatron-LM's argument listing, its TensorBoard text and the W&B config hold every
+    command-line ``muon_*`` field of the MuonConfig that ran: ``given``, else MuonConfig's
+    default (momentum 0.95, Nesterov, 'moonlight', 'exact'; not Megatron-core's Muon defaults,
+    which Megatron-LM's own --muon-* flags carry), and the step-overlap mode 'auto' chose."""
+    import dataclasses
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_muon import MuonConfig
+    from megatron_muon.megatron_lm import muon_args
+
+    callables = set(muon_args.non_cli_fields())
+    ran = MuonConfig(lr=1e-3, **{k: v for k, v in given.items() if k != "muon_step_overlap"})
+    expected = {f.name: getattr(ran, f.name) for f in dataclasses.fields(ran) if f.name.startswith("muon_")}
+    expected = {k: v for k, v in expected.items() if k not in callables} | given
+    assert (expected["muon_momentum"], expected["muon_nesterov"]) == (given.get("muon_momentum", 0.95), True)
+    assert (expected["muon_scale_mode"], expected["muon_tp_mode"]) == ("moonlight", "exact")
+    listing = dict(re.findall(r"^  (muon_\w+) \.+ (.*)$", stdout, re.M))
+    (events,) = list(tb.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = {tag.split("/")[0]: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]}
+    config = wandb_offline.config(wandb)
+    for name, value in expected.items():
+        assert listing.get(name) == text.get(name) == str(value), (name, listing.get(name), text.get(name), value)
+        assert config.get(name) == json.loads(json.dumps(value, default=str)), (name, config.get(name), value)
 
 
 def _tensorboard_scalars(directory: Path) -> Dict[str, List[float]]:
@@ -1005,6 +1043,9 @@ def _read_recipes(recipe_file: str) -> dict:
         optimizer=a.optimizer,
         groups=a.num_query_groups,
     )
+    # The step-overlap mode 'auto' chooses is in the arguments (and so in the run's record).
+    overlap = ["--recipe", "tiny_gqa", "--overlap-grad-reduce", "--overlap-param-gather"]
+    out["step_overlap"] = [validated_args(overlap + more).muon_step_overlap for more in ([], ["--muon-cpu-offload"])]
     a = validated_args(["--recipe", recipe_file])
     out["file"] = dict(nesterov=a.muon_nesterov, bias=a.add_bias_linear, data_path=a.data_path, ffn=a.ffn_hidden_size)
     for name, (world, _, _) in REAL.items():
@@ -1037,6 +1078,7 @@ def test_recipes_through_megatron_lm_arguments(tmp_path):
         groups=2,
     )
     assert got["file"] == dict(nesterov=False, bias=False, data_path=["a", "b"], ffn=128)
+    assert got["step_overlap"] == ["forward", "none"]
     for name, (_, total, active) in REAL.items():
         count_total, count_active = got[name]
         assert abs(count_total / total - 1) < 0.01, f"{name}: {count_total} vs published total {total / 1e9} B"
