@@ -523,7 +523,7 @@ def test_muon_load_of_an_adamw_run_says_how_to_switch(adamw_runs, cache):
     ckpt = adamw_runs["fp32"]["ckpt"]
     assert f"convert_checkpoint.py adam-to-muon {ckpt} {ckpt}_muon`" in lines[0], lines[0]
     assert "holds AdamW state" in lines[0] and "--unverified-source" not in lines[0], lines[0]
-    assert BUILT not in proc.stdout
+    assert BUILT not in proc.stdout and " arguments " not in proc.stdout  # nor Megatron-LM's listing before it
     weights = run(PRETRAIN + load + ["--no-load-optim", "--train-iters", "7"])
     assert sorted(losses(weights)) == [7]
 
@@ -569,6 +569,49 @@ BAD_INPUT = [
     ),
     (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-threshold", "0"], "--qk-clip-threshold 0.0 is invalid"),
     (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha 1.5 is invalid"),
+    # QK-Clip's refusals once the model is built (QKClip.from_model): q / k norms after the
+    # projections (Qwen3's; MLA's latent norms are fine), a query group over two TP ranks
+    (["--recipe", "tiny_gqa", "--qk-clip", "--qk-layernorm"], "--qk-clip with --qk-layernorm: the q / k norms"),
+    (
+        ["--recipe", "tiny_gqa", "--qk-clip", "--tensor-model-parallel-size", "4"],
+        "--qk-clip with 2 query groups at --tensor-model-parallel-size 4",
+    ),
+    # Megatron-LM's tokenizer build would fail on these (Hugging Face: "Repo id must be ...")
+    (
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/dir"],
+        "--tokenizer-model /no/such/dir does not exist (--tokenizer-type HuggingFaceTokenizer): check the path",
+    ),
+    (
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "no_vocab.json"],
+        "--vocab-file no_vocab.json does not exist",
+    ),
+    # an unwritable --save (found when the job takes its lock, after Megatron-LM's validation)
+    (
+        ["--recipe", "tiny_gqa", "--save", "/proc/megatron_muon_no_save", "--save-interval", "1"],
+        "/proc/megatron_muon_no_save cannot be written",
+    ),
+    # Megatron-LM divides by it once the model is built (the recipes set it)
+    (
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "10",
+            "--lr",
+            "0.001",
+        ],
+        "--eval-interval is not set: Megatron-LM evaluates every --eval-interval iterations",
+    ),  # fmt: skip
     # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
     (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
     # what the CPU path cannot run (Megatron would fail late or ignore the flag)
@@ -619,7 +662,11 @@ BAD_INPUT = [
         ["--recipe", "tiny_gqa", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "m"],
         "--tokenizer-type HuggingFaceTokenizer needs the transformers package",
     ),
-    (["--recipe", "tiny_gqa", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "m"], "the tiktoken package"),
+    # (a tokenizer file that exists: the package is what is missing)
+    (
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "README.md"],
+        "the tiktoken package",
+    ),
     # what Megatron-LM's W&B writer needs and does not check
     (["--recipe", "tiny_gqa", "--wandb-project", "p", "--tensorboard-dir", "t"], "add --wandb-save-dir DIR"),
     (["--recipe", "tiny_gqa", "--wandb-project", "p", "--wandb-save-dir", "w"], "add --tensorboard-dir DIR"),
