@@ -10,7 +10,8 @@
   attention records max logits itself when ``config.qk_clip`` is set.
 
 ``gpt_block_spec`` wraps a layer spec into a block spec for the layers of one pipeline
-stage, with the same sequence-parallel-capable final norm.
+stage, with the same sequence-parallel-capable final norm; ``gpt_mtp_block_spec`` builds
+the multi-token-prediction layers (DeepSeek-V3's MTP) from the same layer spec.
 """
 
 from __future__ import annotations
@@ -102,3 +103,19 @@ def gpt_block_spec(config, layer_spec, vp_stage: Optional[int] = None):
 
         norm = LayerNormImpl
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=norm)
+
+
+def gpt_mtp_block_spec(config, layer_spec, use_te: bool = False, vp_stage: Optional[int] = None):
+    """Megatron's multi-token-prediction block spec (``config.mtp_num_layers`` layers, on the
+    stage that holds them; None elsewhere or without MTP) whose transformer layer is
+    ``layer_spec`` (so our attention and MLA there too) and, on the local backend, whose own
+    norms (``enorm``, ``hnorm``, the final one) support sequence parallelism."""
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if spec is not None and not use_te:
+        for layer in spec.layer_specs:
+            use_sequence_parallel_norms(layer)
+    return spec

@@ -561,7 +561,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
             if clip.mp_group is not None and clip.mp_group.size() > 1:
                 gathered = [None] * clip.mp_group.size()
                 dist.all_gather_object(gathered, local, group=clip.mp_group)
-            layers: Dict[int, float] = {}
+            layers: Dict[Tuple[str, int], float] = {}
             for maxima, _ in gathered:
                 for number, value in maxima.items():
                     layers[number] = max(value, layers.get(number, value))

@@ -253,16 +253,18 @@ class QKClip:
                 out.extend(row_factors(layer, gamma, self.tconfig))
         return out
 
-    def layer_maxima(self) -> Dict[int, float]:
+    def layer_maxima(self) -> Dict[Tuple[str, int], float]:
         """The last step's largest logit of each of this rank's layers (its heads on this TP
-        rank), keyed by the layer's global number."""
-        out: Dict[int, float] = {}
+        rank), keyed by the layer's global number in its block: ``("decoder", n)`` or, for a
+        multi-token-prediction layer (numbered from 1 again), ``("mtp", n)``."""
+        out: Dict[Tuple[str, int], float] = {}
         if self.last_max_logits is None:
             return out
         offset = 0
         for layer in self.layers:
+            block = "mtp" if ".mtp." in f".{layer.name}." else "decoder"
             number = int(getattr(layer.attention, "layer_number", len(out) + 1))
-            out[number] = float(self.last_max_logits[offset : offset + layer.heads].max())
+            out[(block, number)] = float(self.last_max_logits[offset : offset + layer.heads].max())
             offset += layer.heads
         return out
 

@@ -181,7 +181,14 @@ def _device_module(stream: Any) -> Any:
 def step_overlap_mode(config: Any, model_chunks: Sequence[torch.nn.Module], storage: Any) -> str:
     """``config.muon_step_overlap`` resolved for these chunks ('none' or 'forward'); 'forward'
     asked where it cannot run raises, naming the reason and the fix."""
-    refusal: Optional[str] = storage.step_overlap_refusal([chunk.ddp_config for chunk in model_chunks])
+    return step_overlap_for(config, [chunk.ddp_config for chunk in model_chunks], storage)
+
+
+def step_overlap_for(config: Any, ddp_settings: Sequence[Any], storage: Any) -> str:
+    """:func:`step_overlap_mode` from DDP settings alone (each chunk's ``ddp_config``, or
+    Megatron-LM's arguments, which carry the same names): what a run will choose, known
+    before its model is built."""
+    refusal: Optional[str] = storage.step_overlap_refusal(ddp_settings)
     if config.muon_step_overlap == "auto":
         return "none" if refusal is not None or config.muon_cpu_offload else "forward"
     if config.muon_step_overlap == "forward" and refusal is not None:

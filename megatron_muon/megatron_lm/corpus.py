@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -54,6 +55,29 @@ def check_tokenizer(args: argparse.Namespace) -> None:
             f"the built-in corpus (no --data-path / --mock-data) is byte ids 0..255: it needs "
             f"--tokenizer-type NullTokenizer --vocab-size {BYTE_VOCAB_SIZE} or more (got "
             f"{args.tokenizer_type} with --vocab-size {args.vocab_size}); or pass --data-path / --mock-data"
+        )
+
+
+HUB_TOKENIZERS = ("HuggingFaceTokenizer", "SFTTokenizer", "MultimodalTokenizer")
+"""Tokenizer types whose ``--tokenizer-model`` may name a Hugging Face Hub repository."""
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+
+
+def check_tokenizer_files(args: argparse.Namespace) -> None:
+    """``--tokenizer-model``, ``--vocab-file`` and ``--merge-file`` name files that exist (a
+    Hugging Face tokenizer's model may be a Hub repository id, ``name`` or ``org/name``).
+    Megatron-LM finds a missing one when it builds the tokenizer, where Hugging Face reports
+    a missing path as a malformed repository id."""
+    for flag in ("tokenizer_model", "vocab_file", "merge_file"):
+        path = getattr(args, flag, None)
+        if not path or os.path.exists(path):
+            continue
+        if flag == "tokenizer_model" and args.tokenizer_type in HUB_TOKENIZERS and _REPO_ID.fullmatch(path):
+            continue  # a Hub repository id: fetched (or found in the cache) when the tokenizer is built
+        raise CorpusError(
+            f"--{flag.replace('_', '-')} {path} does not exist (--tokenizer-type {args.tokenizer_type}): "
+            "check the path"
+            + (", or name a Hugging Face Hub repository as org/name" if args.tokenizer_type in HUB_TOKENIZERS else "")
         )
 
 

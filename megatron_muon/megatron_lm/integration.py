@@ -24,6 +24,7 @@ Megatron-LM refuses a TP/PP change on load unless the save had
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -137,6 +138,23 @@ def muon_config_from_megatron(args: argparse.Namespace) -> MuonConfig:
     kw.update({k: v for k, v in muon_args.muon_kwargs(args).items() if k not in unset})
     kw.update(optimizer="muon", use_layer_wise_distributed_optimizer=False)
     return MuonConfig(**kw)
+
+
+def record_effective_settings(args: argparse.Namespace, config: MuonConfig) -> None:
+    """Write the Muon settings that run into Megatron-LM's arguments, which its argument
+    listing, TensorBoard's text and the W&B config record: every command-line ``muon_*``
+    field of ``config`` (a Megatron-LM flag left unset holds Megatron-core's Muon default
+    there, not the value our optimizer uses), and ``muon_step_overlap`` as 'auto' resolves
+    it ('forward' or 'none'; the optimizer decides the same from the DDP settings these
+    arguments make)."""
+    from megatron_muon.step_overlap import step_overlap_for
+
+    kinds = set(muon_args.non_cli_fields())
+    for f in muon_args.muon_fields():
+        if f.name not in kinds:
+            setattr(args, f.name, getattr(config, f.name))
+    if hasattr(args, "overlap_param_gather"):  # Megatron-LM's DDP settings (a stand-in parser may lack them)
+        args.muon_step_overlap = step_overlap_for(config, [args], _storage(args))
 
 
 def with_optimizer_config(muon_config: MuonConfig, base: Any) -> MuonConfig:
@@ -306,6 +324,7 @@ def _wrap_validate_args(original: Callable, module: Any, installed: _Installatio
                 "(--freeze-all-layers?), which --optimizer muon needs."
             )
         installed.muon_config = muon_config_from_megatron(args)  # bad --muon-* values fail here
+        record_effective_settings(args, installed.muon_config)
         for pa, pkw in deferred:
             print_args(*pa, **pkw)
         return result
@@ -388,7 +407,8 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
             if iteration % max(1, args.log_interval) == 0:
                 bound.arguments["is_first_iteration"] = False
                 a, kw = bound.args, bound.kwargs
-        result = original(*a, **kw)
+        with _max_logit_in_the_iteration_line(module, args, bound.arguments.get("max_attention_logit")):
+            result = original(*a, **kw)
         optimizer = installed.optimizer
         if args is None or optimizer is None or not getattr(args, "tensorboard_dir", None):
             return result
@@ -407,6 +427,27 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
         return result
 
     return training_log
+
+
+@contextlib.contextmanager
+def _max_logit_in_the_iteration_line(module: Any, args: Optional[argparse.Namespace], value: Optional[float]):
+    """With --qk-clip or --log-max-attention-logit, Megatron-LM's console line of an iteration
+    gets ``max attention logit: X |`` (it writes the number to TensorBoard only)."""
+    original = getattr(module, "print_rank_last", None)
+    if original is None or args is None or value is None or not (args.qk_clip or args.log_max_attention_logit):
+        yield
+        return
+
+    def print_rank_last(message, *a, **kw):
+        if isinstance(message, str) and " iteration " in message and message.rstrip().endswith("|"):
+            message = f"{message} max attention logit: {float(value):.3f} |"
+        return original(message, *a, **kw)
+
+    module.print_rank_last = print_rank_last
+    try:
+        yield
+    finally:
+        module.print_rank_last = original
 
 
 def _wrap_calc_params_l2_norm(original: Callable, module: Any, installed: _Installation) -> Callable:
@@ -458,9 +499,22 @@ def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _In
         # only for the iterations it logs (``_wrap_training_log``).
         optimizer.measure_updates = bool(getattr(args, "tensorboard_dir", None))
         installed.optimizer = optimizer
+        _say_where_the_step_runs(installed.muon_config, optimizer)
         return optimizer
 
     return get_megatron_optimizer
+
+
+def _say_where_the_step_runs(config: MuonConfig, optimizer: Any) -> None:
+    """One console line: where the Muon step runs, and why when 'auto' chose it."""
+    from megatron.training.utils import print_rank_0
+
+    forward = getattr(optimizer, "pending", None) is not None
+    where = "during the next forward" if forward else "whole inside optimizer.step()"
+    why = ""
+    if config.muon_step_overlap == "auto":
+        why = " (with --overlap-param-gather)" if forward else " (no --overlap-param-gather, or it cannot overlap here)"
+    print_rank_0(f"megatron_muon: the Muon step runs {where}: --muon-step-overlap {config.muon_step_overlap}{why}")
 
 
 def _owner_aligned_config(installed: _Installation, ddp_config: Any) -> Optional[MuonConfig]:

@@ -183,11 +183,41 @@ def check_values(args: argparse.Namespace) -> None:
                 f"--qk-clip-alpha {alpha} is invalid: the query takes gamma^alpha of a clip and the key the rest; "
                 "use a number in (0, 1) (the default is 0.5)"
             )
+    check_qk_clip_can_bound_the_logits(args)
+    if getattr(args, "eval_interval", None) is None and not (
+        getattr(args, "full_validation", False) or getattr(args, "skip_train", False)
+    ):
+        # Megatron-LM divides by it to size the validation set, once the model is built.
+        raise ValueError(
+            "--eval-interval is not set: Megatron-LM evaluates every --eval-interval iterations and sizes the "
+            "validation set by it; add --eval-interval N (with --eval-iters 0 to never evaluate)"
+        )
     if getattr(args, "qk_clip", False) and getattr(args, "use_distributed_optimizer", False) and not _ours(args):
         raise ValueError(
             f"--qk-clip with --optimizer {args.optimizer}: Megatron-core's QK-Clip scales the model weights, which "
             "the distributed optimizer's fp32 masters overwrite at the next step; use --optimizer muon "
             "(megatron_muon clips the masters) or drop --qk-clip"
+        )
+
+
+def check_qk_clip_can_bound_the_logits(args: argparse.Namespace) -> None:
+    """What QK-Clip refuses once the model is built (``QKClip.from_model``), from the flags:
+    q / k norms after the projections (Qwen3's ``--qk-layernorm``; with MLA the flag means
+    DeepSeek-V3's norms on the latents, which clipping leaves exact) and a query group split
+    over tensor-parallel ranks."""
+    if not getattr(args, "qk_clip", False) or getattr(args, "multi_latent_attention", False):
+        return
+    if getattr(args, "qk_layernorm", False):
+        raise ValueError(
+            "--qk-clip with --qk-layernorm: the q / k norms after the projections undo any scaling of W_q / W_k, so "
+            "QK-Clip cannot bound the logits (they are bounded by the norms' weights); drop --qk-clip or --qk-layernorm"
+        )
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    groups = groups or args.num_attention_heads
+    if groups < args.tensor_model_parallel_size:
+        raise ValueError(
+            f"--qk-clip with {groups} query groups at --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
+            "a query group's rows would be split over TP ranks; use at least as many query groups as TP ranks"
         )
 
 
@@ -254,17 +284,44 @@ def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
     ends the process with one line and exit code 2 (:func:`_megatron_argv`), nothing built."""
     from megatron.training.arguments import parse_and_validate_args
 
-    checks = (check_runnable_here, check_save_directory, check_checkpoint_to_load, corpus.check_data_prefixes)
+    checks = (
+        corpus.check_tokenizer_files,
+        check_runnable_here,
+        check_save_directory,
+        check_checkpoint_to_load,
+        corpus.check_data_prefixes,
+    )
     # Every read of --load's checkpoint and --save's lock here is bounded in time: a hung
     # filesystem or a special file ends the job in one line instead of a silent wait.
-    with _megatron_argv(argv), bounded("what this job reads at start-up"), _checked_after_parsing(*checks):
+    with (
+        _megatron_argv(argv),
+        bounded("what this job reads at start-up"),
+        _checked_after_parsing(*checks),
+        _listing_last() as print_listing,
+    ):
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=DEFAULTS)
         corpus.check_tokenizer(args)
         resume.check_checkpoint_format(args)
         resume.check_optimizer_to_load(args)
         resume.check_resumed_arguments(args)
         take_save_directory(args, shlex.join([os.path.basename(sys.argv[0]), *argv]))
+    print_listing()
     return args
+
+
+@contextlib.contextmanager
+def _listing_last():
+    """Megatron-LM's listing of every argument (printed at the end of its validation), held
+    back inside the block and printed by the function the block yields: after the checks
+    that follow validation, so bad input is the last line, not buried under the listing."""
+    import megatron.training.arguments as arguments
+
+    original, held = arguments._print_args, []
+    arguments._print_args = lambda *a, **kw: held.append((a, kw))
+    try:
+        yield lambda: [original(*a, **kw) for a, kw in held]
+    finally:
+        arguments._print_args = original
 
 
 @contextlib.contextmanager

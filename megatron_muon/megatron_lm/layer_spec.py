@@ -3,7 +3,8 @@ with the modules Muon and QK-Clip need on the local (transformer-engine-free) ba
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 from megatron_muon.attention import RecordingDotProductAttention
 from megatron_muon.layer_specs import use_sequence_parallel_norms, use_tensor_parallel_mla
@@ -30,6 +31,14 @@ def megatron_lm_layer_spec(config, vp_stage: Optional[int] = None):
         )
     else:
         spec = default_layer_spec(config, vp_stage)
+    use_our_modules(spec, sequence_parallel)
+    return spec
+
+
+def use_our_modules(spec, sequence_parallel: bool) -> None:
+    """Swap megatron_muon's modules into a local layer or block spec, in place: the
+    recording core attention, TP-correct MLA and, with sequence parallelism, norms that
+    support it."""
     layers = getattr(spec, "layer_specs", None) or [spec]
     for layer in layers:
         layer.submodules.self_attention.submodules.core_attention = RecordingDotProductAttention
@@ -38,7 +47,43 @@ def megatron_lm_layer_spec(config, vp_stage: Optional[int] = None):
         use_sequence_parallel_norms(spec)
         for layer in layers:
             use_sequence_parallel_norms(layer)
-    return spec
+
+
+def _with_our_mtp_layers(original: Callable) -> Callable:
+    """Megatron-LM's ``mtp_block_spec``, whose MTP layers get our modules when the model's
+    layer spec is :func:`megatron_lm_layer_spec` on the local backend.
+
+    Megatron-LM builds an MTP layer from its own default decoder layer spec
+    (``get_gpt_decoder_layer_specs(...)[-1]``), not from the spec the model was given: on the
+    local backend its ``DotProductAttention`` fails on MLA's head sizes (``k_channels``),
+    records no max logits for QK-Clip, and its MLA reduces the TP gradients wrongly."""
+
+    @functools.wraps(original)
+    def mtp_block_spec(config, transformer_layer_spec, vp_stage=None):
+        spec = original(config, transformer_layer_spec, vp_stage=vp_stage)
+        transformer = config.transformer
+        if spec is None or config.transformer_layer_spec is not megatron_lm_layer_spec:
+            return spec
+        if transformer.transformer_impl != "local":
+            return spec
+        for layer in spec.layer_specs:
+            use_our_modules(layer.submodules.mtp_model_layer, transformer.sequence_parallel)
+            if transformer.sequence_parallel:
+                use_sequence_parallel_norms(layer)  # the MTP layer's own norms
+        return spec
+
+    mtp_block_spec.__megatron_muon__ = True  # type: ignore[attr-defined]
+    return mtp_block_spec
+
+
+def install_mtp_layer_spec() -> None:
+    """Install :func:`_with_our_mtp_layers` over ``megatron.training.models.gpt.mtp_block_spec``
+    (looked up by ``GPTModelBuilder.build_model`` at call time); a second call is a no-op.
+    It acts only on models built with :func:`megatron_lm_layer_spec`."""
+    import megatron.training.models.gpt as gpt
+
+    if not getattr(gpt.mtp_block_spec, "__megatron_muon__", False):
+        gpt.mtp_block_spec = _with_our_mtp_layers(gpt.mtp_block_spec)
 
 
 def gpt_model_config(args):
@@ -50,4 +95,5 @@ def gpt_model_config(args):
     config = gpt_config_from_args(args)
     if args.spec is None:
         config.transformer_layer_spec = megatron_lm_layer_spec
+        install_mtp_layer_spec()  # the MTP layers get the same modules
     return config

@@ -52,6 +52,8 @@ class TinyModelSpec:
     sequence_parallel: bool = False
     mla: bool = False
     """Multi-latent attention (set by kind='mla'; combine with kind='moe' for MoE + MLA)."""
+    mtp_num_layers: Optional[int] = None
+    """Multi-token prediction layers (DeepSeek-V3's MTP), each built like the decoder's layers."""
     extra: Dict[str, Any] = field(default_factory=dict)
     expert_layout: str = "sequential"
     """How routed experts store their weights: 'sequential' (SequentialMLP), 'legacy_grouped'
@@ -116,6 +118,7 @@ def transformer_config(spec: TinyModelSpec):
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         sequence_parallel=spec.sequence_parallel,
+        mtp_num_layers=spec.mtp_num_layers,
     )
     if spec.num_moe_experts:
         kwargs.update(
@@ -151,7 +154,7 @@ def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
-    from ..layer_specs import gpt_block_spec, gpt_layer_spec
+    from ..layer_specs import gpt_block_spec, gpt_layer_spec, gpt_mtp_block_spec
 
     config = config or transformer_config(spec)
     # Megatron's local spec with our max-logit-recording core attention (MHA/GQA/MLA) and
@@ -175,6 +178,7 @@ def build_model_chunks(spec: TinyModelSpec, config=None) -> List[torch.nn.Module
             GPTModel(
                 config=config,
                 transformer_layer_spec=gpt_block_spec(config, layer_spec, vp_stage=vp),
+                mtp_block_spec=gpt_mtp_block_spec(config, layer_spec, vp_stage=vp),
                 vocab_size=spec.vocab_size,
                 max_sequence_length=spec.seq_length,
                 pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
@@ -562,6 +566,8 @@ def reference_train(
     ``.grad``. ``lrs`` optionally gives each step's lr. Returns ``(losses, state)``: each
     step's loss (forward before that step's update) and ``gather_canonical_state``.
     """
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
     from .reference import ReferenceMuon
 
     chunks = build_model_chunks(spec)
@@ -574,6 +580,8 @@ def reference_train(
     for i, tokens in enumerate(batches):
         model.zero_grad(set_to_none=True)
         micro = tokens.split(micro_batch_size, dim=0)
+        # The MTP loss's backward scale, as Megatron's schedule sets it for each micro-batch.
+        MTPLossAutoScaler.set_loss_scale(torch.tensor(1.0 / len(micro)))
         total = 0.0
         for mb in micro:
             inputs, labels = mb[:, :-1].contiguous(), mb[:, 1:].contiguous()

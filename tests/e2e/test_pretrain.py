@@ -102,10 +102,13 @@ def test_tensorboard_and_wandb_hold_megatron_lm_and_muon_scalars(cache, tmp_path
     """--tensorboard-dir: Megatron-LM's scalars and Muon's (update RMS, max and mean attention
     logit, heads clipped, skipped steps, step time) at every log interval; with a low
     threshold QK-Clip clips heads every step. W&B (offline, --wandb-project) gets the same
-    numbers under the same names."""
+    numbers under the same names. The run's record (argument listing, TensorBoard's text,
+    W&B's config) holds the Muon settings that run (:func:`_assert_records_muon_settings`)."""
     wandb = tmp_path / "wandb"
-    run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tmp_path / "tb"),
-                  "--wandb-project", "muon", "--wandb-exp-name", "tb", "--wandb-save-dir", str(wandb)))  # fmt: skip
+    stdout = run(short_run("tiny_moe_mla", cache, "--qk-clip-threshold", "0.01", "--tensorboard-dir",
+                           str(tmp_path / "tb"), "--wandb-project", "muon", "--wandb-exp-name", "tb",
+                           "--wandb-save-dir", str(wandb), "--muon-momentum", "0.93"))  # fmt: skip
+    _assert_records_muon_settings(stdout, tmp_path / "tb", wandb, dict(muon_momentum=0.93, muon_step_overlap="none"))
     scalars = _tensorboard_scalars(tmp_path / "tb")
     logged = wandb_offline.scalars(wandb)
     for tag in ("lm loss", "grad-norm", *(t for t in scalars if t.startswith("muon/"))):
@@ -125,6 +128,11 @@ def test_tensorboard_and_wandb_hold_megatron_lm_and_muon_scalars(cache, tmp_path
     assert all(0.01 < v < 1.0 for v in scalars["muon/update-rms"])
     assert all(v > 0 for v in scalars["muon/qk-clip-heads-clipped"])
     assert scalars["muon/max-attention-logit"] == pytest.approx(scalars["max_attention_logit"])
+    # The console says what TensorBoard holds: the max logit in each iteration's line, and
+    # where the step runs ('auto' without --overlap-param-gather: inside step()).
+    console = [float(v) for v in re.findall(r"\| max attention logit: ([0-9.]+) \|$", stdout, re.M)]
+    assert console == pytest.approx(scalars["max_attention_logit"], abs=1e-3), console
+    assert "megatron_muon: the Muon step runs whole inside optimizer.step(): --muon-step-overlap auto" in stdout
     assert all(m >= a > 0 for m, a in zip(scalars["muon/max-attention-logit"], scalars["muon/mean-attention-logit"]))
 
 
@@ -147,6 +155,36 @@ def test_profiler_trace_shows_the_muon_step(cache, tmp_path):
         assert f"muon/{phase}" in names, (phase, sorted(n for n in names if n.startswith("muon/")))
     backward = max(e["ts"] for e in inside if e["name"].startswith("autograd::engine::evaluate_function"))
     assert all(e["ts"] > backward for e in inside if e["name"] == "muon/newton_schulz")
+
+
+def _assert_records_muon_settings(stdout: str, tb: Path, wandb: Path, given: dict) -> None:
+    """Megatron-LM's argument listing, its TensorBoard text and the W&B config hold every
+    command-line ``muon_*`` field of the MuonConfig that ran: ``given``, else MuonConfig's
+    default (momentum 0.95, Nesterov, 'moonlight', 'exact'; not Megatron-core's Muon defaults,
+    which Megatron-LM's own --muon-* flags carry), and the step-overlap mode 'auto' chose."""
+    import dataclasses
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_muon import MuonConfig
+    from megatron_muon.megatron_lm import muon_args
+
+    callables = set(muon_args.non_cli_fields())
+    ran = MuonConfig(lr=1e-3, **{k: v for k, v in given.items() if k != "muon_step_overlap"})
+    expected = {f.name: getattr(ran, f.name) for f in dataclasses.fields(ran) if f.name.startswith("muon_")}
+    expected = {k: v for k, v in expected.items() if k not in callables} | given
+    assert (expected["muon_momentum"], expected["muon_nesterov"]) == (given.get("muon_momentum", 0.95), True)
+    assert (expected["muon_scale_mode"], expected["muon_tp_mode"]) == ("moonlight", "exact")
+    listing = dict(re.findall(r"^  (muon_\w+) \.+ (.*)$", stdout, re.M))
+    (events,) = list(tb.glob("events.out.tfevents.*"))
+    acc = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    acc.Reload()
+    text = {tag.split("/")[0]: acc.Tensors(tag)[0].tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"]}
+    config = wandb_offline.config(wandb)
+    for name, value in expected.items():
+        assert listing.get(name) == text.get(name) == str(value), (name, listing.get(name), text.get(name), value)
+        assert config.get(name) == json.loads(json.dumps(value, default=str)), (name, config.get(name), value)
 
 
 def _tensorboard_scalars(directory: Path) -> Dict[str, List[float]]:
@@ -218,6 +256,24 @@ def test_megatron_fsdp_logs_the_distributed_optimizer_losses(two_rank_runs, reci
     ranks logs the DistributedOptimizer run's losses; QK-Clip clips at every step, scaling
     Megatron-FSDP's sharded fp32 main weights."""
     _same_run(two_rank_runs(recipe, *layout, *MEGATRON_FSDP.split()), two_rank_runs(recipe, *layout))
+
+
+def test_deepseek_v3_style_multi_token_prediction_trains(cache, tmp_path):
+    """MLA + MoE at EP2 with one MTP layer (DeepSeek-V3's layout): Megatron-LM builds the MTP
+    layer with our attention (its own default spec fails on MLA's head sizes), logs its loss,
+    both losses fall, and QK-Clip clips the MTP layer's heads as well: with a threshold below
+    every logit, all 4 heads of 3 attention layers (2 decoder, 1 MTP) at the first step (later
+    a clipped head sits near the threshold and may stay under it)."""
+    tb = tmp_path / "tb"
+    cmd = short_run("tiny_moe_mla", cache, "--expert-model-parallel-size", "2", "--mtp-num-layers", "1",
+                    "--qk-clip-threshold", "0.01", "--tensorboard-dir", str(tb), iterations=8)  # fmt: skip
+    stdout = run(TWO_RANKS[:-1] + cmd[1:], timeout=300)
+    mtp = {int(i): float(v) for i, v in re.findall(r"iteration\s+(\d+)/.*?\| mtp_1 loss: ([0-9.E+-]+) \|", stdout)}
+    lm = losses(stdout)
+    assert sorted(mtp) == sorted(lm) == list(range(1, 9)), stdout[-3000:]
+    assert lm[8] < lm[1] and mtp[8] < mtp[1], (lm, mtp)
+    clipped = _tensorboard_scalars(tb)["muon/qk-clip-heads-clipped"]
+    assert clipped[0] == 12.0 and all(0 < n <= 12 for n in clipped), clipped
 
 
 def test_megatron_core_muon_side_by_side_in_bf16(cache):
@@ -484,7 +540,7 @@ def test_muon_load_of_an_adamw_run_says_how_to_switch(adamw_runs, cache):
     ckpt = adamw_runs["fp32"]["ckpt"]
     assert f"convert_checkpoint.py adam-to-muon {ckpt} {ckpt}_muon`" in lines[0], lines[0]
     assert "holds AdamW state" in lines[0] and "--unverified-source" not in lines[0], lines[0]
-    assert BUILT not in proc.stdout
+    assert BUILT not in proc.stdout and " arguments " not in proc.stdout  # nor Megatron-LM's listing before it
     weights = run(PRETRAIN + load + ["--no-load-optim", "--train-iters", "7"])
     assert sorted(losses(weights)) == [7]
 
@@ -530,6 +586,49 @@ BAD_INPUT = [
     ),
     (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-threshold", "0"], "--qk-clip-threshold 0.0 is invalid"),
     (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha 1.5 is invalid"),
+    # QK-Clip's refusals once the model is built (QKClip.from_model): q / k norms after the
+    # projections (Qwen3's; MLA's latent norms are fine), a query group over two TP ranks
+    (["--recipe", "tiny_gqa", "--qk-clip", "--qk-layernorm"], "--qk-clip with --qk-layernorm: the q / k norms"),
+    (
+        ["--recipe", "tiny_gqa", "--qk-clip", "--tensor-model-parallel-size", "4"],
+        "--qk-clip with 2 query groups at --tensor-model-parallel-size 4",
+    ),
+    # Megatron-LM's tokenizer build would fail on these (Hugging Face: "Repo id must be ...")
+    (
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/dir"],
+        "--tokenizer-model /no/such/dir does not exist (--tokenizer-type HuggingFaceTokenizer): check the path",
+    ),
+    (
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "no_vocab.json"],
+        "--vocab-file no_vocab.json does not exist",
+    ),
+    # an unwritable --save (found when the job takes its lock, after Megatron-LM's validation)
+    (
+        ["--recipe", "tiny_gqa", "--save", "/proc/megatron_muon_no_save", "--save-interval", "1"],
+        "/proc/megatron_muon_no_save cannot be written",
+    ),
+    # Megatron-LM divides by it once the model is built (the recipes set it)
+    (
+        [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--max-position-embeddings",
+            "64",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "10",
+            "--lr",
+            "0.001",
+        ],
+        "--eval-interval is not set: Megatron-LM evaluates every --eval-interval iterations",
+    ),  # fmt: skip
     # Megatron-core's QK-Clip scales the model weights, which the masters overwrite
     (["--recipe", "tiny_gqa", "--optimizer", "adam", "--qk-clip"], "--qk-clip with --optimizer adam"),
     # what the CPU path cannot run (Megatron would fail late or ignore the flag)
@@ -580,7 +679,11 @@ BAD_INPUT = [
         ["--recipe", "tiny_gqa", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "m"],
         "--tokenizer-type HuggingFaceTokenizer needs the transformers package",
     ),
-    (["--recipe", "tiny_gqa", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "m"], "the tiktoken package"),
+    # (a tokenizer file that exists: the package is what is missing)
+    (
+        ["--recipe", "tiny_gqa", "--tokenizer-type", "TikTokenizer", "--tokenizer-model", "README.md"],
+        "the tiktoken package",
+    ),
     # what Megatron-LM's W&B writer needs and does not check
     (["--recipe", "tiny_gqa", "--wandb-project", "p", "--tensorboard-dir", "t"], "add --wandb-save-dir DIR"),
     (["--recipe", "tiny_gqa", "--wandb-project", "p", "--wandb-save-dir", "w"], "add --tensorboard-dir DIR"),
@@ -1004,6 +1107,9 @@ def _read_recipes(recipe_file: str) -> dict:
         optimizer=a.optimizer,
         groups=a.num_query_groups,
     )
+    # The step-overlap mode 'auto' chooses is in the arguments (and so in the run's record).
+    overlap = ["--recipe", "tiny_gqa", "--overlap-grad-reduce", "--overlap-param-gather"]
+    out["step_overlap"] = [validated_args(overlap + more).muon_step_overlap for more in ([], ["--muon-cpu-offload"])]
     a = validated_args(["--recipe", recipe_file])
     out["file"] = dict(nesterov=a.muon_nesterov, bias=a.add_bias_linear, data_path=a.data_path, ffn=a.ffn_hidden_size)
     for name, (world, _, _) in REAL.items():
@@ -1036,6 +1142,7 @@ def test_recipes_through_megatron_lm_arguments(tmp_path):
         groups=2,
     )
     assert got["file"] == dict(nesterov=False, bias=False, data_path=["a", "b"], ffn=128)
+    assert got["step_overlap"] == ["forward", "none"]
     for name, (_, total, active) in REAL.items():
         count_total, count_active = got[name]
         assert abs(count_total / total - 1) < 0.01, f"{name}: {count_total} vs published total {total / 1e9} B"

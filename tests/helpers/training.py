@@ -113,6 +113,8 @@ def train(spec_kwargs: dict, variants: dict, steps: int = STEPS) -> dict:
             # The matrices this rank orthogonalizes (leads, when several ranks share one).
             computed=[j.matrix.name for o in opt.muon_optimizers for j in o.plan.jobs if j.owner == o.plan.group.rank],
             stats=[o.plan_statistics() for o in opt.muon_optimizers],
+            # The attention layers QK-Clip measures (and clips, with qk_clip) on this rank.
+            clip_layers=[layer.name for layer in opt.qk_clip.layers] if opt.qk_clip is not None else [],
             traffic=dict(traffic.bytes),
         )
     return out

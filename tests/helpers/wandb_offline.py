@@ -1,4 +1,4 @@
-"""The scalars of an offline W&B run (``WANDB_MODE=offline``), read from its ``run-*.wandb``
+"""The scalars and configuration of an offline W&B run (``WANDB_MODE=offline``), read from its ``run-*.wandb``
 file: a record log in LevelDB's framing (a 7-byte file header, then 32 KiB blocks of records,
 each a 7-byte header - checksum, length, kind - and a piece of one protobuf ``Record``).
 W&B has no public reader of offline runs; this reads only what the suite checks."""
@@ -52,4 +52,17 @@ def scalars(directory: Path) -> Dict[str, List[float]]:
             key = item.key or "/".join(item.nested_key)
             if not key.startswith("_"):  # W&B's own (_step, _runtime, _timestamp)
                 out.setdefault(key, []).append(json.loads(item.value_json))
+    return out
+
+
+def config(directory: Path) -> Dict[str, object]:
+    """The run configuration (``wandb.init(config=...)``, updates applied in order) of the one
+    offline run under ``directory``."""
+    (run,) = list(directory.glob("wandb/offline-run-*/run-*.wandb"))
+    out: Dict[str, object] = {}
+    for record in records(run):
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):  # the run record holds the initial configuration
+            for item in (record.run.config if kind == "run" else record.config).update:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
