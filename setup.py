@@ -11,7 +11,9 @@ setup(
     packages=find_packages(include=["megatron_muon", "megatron_muon.*"]),
     python_requires=">=3.12",
     install_requires=[
-        "torch>=2.9",
+        # torch before 2.10 has CVE-2026-24747 (its weights_only unpickler can be driven into
+        # heap corruption); the suite runs on 2.11, the fast tier and the first job also on 2.15.
+        "torch>=2.10",
         "megatron-core>=0.19,<0.20",
         "einops",
         # Megatron dist_checkpointing's async filesystem writer imports psutil.

@@ -65,17 +65,22 @@ def test_bf16_model_equals_the_distributed_optimizer_run():
     """A bf16 model with fp32 masters (fp32 main gradients): Megatron-FSDP gives the losses
     and weights of the DistributedOptimizer run, which tests/dist/test_mixed_precision_reference.py
     checks step by step against the reference. Not bitwise: 'optim' reduces the accumulated
-    gradient once, the others each micro-batch's, so sums differ in the last bit (6e-11 seen),
-    and AdamW's first steps turn that into sign flips of near-zero embedding updates (GQA with QK-Clip: 4.6e-3
-    relative on the embedding seen): the bf16 tolerance of tests/dist/test_optimizer.py."""
+    gradient once, the others each micro-batch's, so sums differ in the last bit (6e-11 seen);
+    bf16 rounding of the weights, AdamW's steps on near-zero gradients and the router's
+    top-k choice (which flips on near ties) carry that into the next steps. Measured over
+    the three strategies with six kernel sets (an AVX-512/AMX Xeon's own, ATen avx2 and
+    default, MKL's and oneDNN's AVX2 paths, oneDNN without AMX): weights at most 1.5e-2
+    (the router, a flipped choice, with ATEN_CPU_CAPABILITY=default; 4.5e-3 otherwise),
+    losses at most 9.3e-5 (6.8e-5 on an AVX2 AMD EPYC). Over three steps the weights move
+    by 15-60 %."""
     spec = dict(MODELS["moe"], bf16=True)  # dense and expert optimizers, EP2 x DP2
     results = run_distributed(train, 4, spec, {"ddp": {}, **FSDP}, timeout_s=350, ep=2)
     ddp = M.merge_canonical_states([r["ddp"]["state"] for r in results])
     for strategy in FSDP:
         full = M.merge_canonical_states([r[strategy]["state"] for r in results])
         err, key = max_rel_err(full, ddp, "fro")
-        assert err <= 2e-2, f"{strategy}: {key} differs from the DistributedOptimizer run by {err:.2e}"
-        assert results[0][strategy]["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=1e-5)
+        assert err <= 5e-2, f"{strategy}: {key} differs from the DistributedOptimizer run by {err:.2e}"
+        assert results[0][strategy]["losses"] == pytest.approx(results[0]["ddp"]["losses"], rel=1e-3)
 
 
 def _refusals():

@@ -126,6 +126,14 @@ EQUAL_CASES = [
 ]
 
 
+# Relative (Frobenius) error allowed per model. AdamW turns last-bit differences of the
+# sharded gradients into steps of about lr on embedding entries whose gradient is near zero,
+# and the next steps carry them into every matrix; MLA at TP2 or CP2 has more such entries:
+# up to 1.75e-5 measured (MKL's AVX2 path on an AVX-512 Xeon; 3.0e-6 on its own path, 9.8e-6
+# with ATEN_CPU_CAPABILITY=default), GQA at most 1.6e-6 on any kernels.
+TOLERANCE = {"gqa": 1e-5, "mla": 1e-4}
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("kind,world,layout", EQUAL_CASES)
 def test_muonclip_equals_reference(clip_references, kind, world, layout):
@@ -134,7 +142,7 @@ def test_muonclip_equals_reference(clip_references, kind, world, layout):
     full = M.merge_canonical_states([r["fp32"]["state"] for r in results])
     ref = M.merge_canonical_states([clip_references[kind][1]])
     err, key = max_rel_err(full, ref, "fro")
-    assert err <= 1e-5, f"{key} differs from the reference by {err:.2e}"
+    assert err <= TOLERANCE[kind], f"{key} differs from the reference by {err:.2e}"
 
 
 def _errors():

@@ -275,8 +275,12 @@ def test_second_moments_and_offload_survive_checkpoints(tmp_path, model, before,
             assert r["facts"]["masters_in_pool"]
     final_before = M.merge_canonical_states([r["final"] for r in saved])
     final_after = M.merge_canonical_states([r["final"] for r in loaded])
+    # In the same layout bit for bit. In another, the gradients are summed in another order
+    # and cautious weight decay's mask flips where update * w is within rounding of zero
+    # (TP2xDP2 -> DP2: 6.1e-6 on an AVX-512 Xeon's own kernels, 3.9e-7 with MKL's AVX2 path).
+    tolerance = 0.0 if before == after else 5e-5
     err, key = max_rel_err(final_after, final_before, "fro")
-    assert err <= 1e-5, f"after resuming, {key} differs from the uninterrupted run by {err:.2e}"
+    assert err <= tolerance, f"after resuming, {key} differs from the uninterrupted run by {err:.2e}"
 
 
 # ---------------------------------------------------------------------------------------
