@@ -21,9 +21,9 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from .config import MuonConfig
 from .matrices import collect_muon_params
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
+from .pipeline import step_overlap_mode
 from .process_groups import parallel_groups
 from .qk_clip import QKClip
-from .step_overlap import step_overlap_mode
 from .storage import StorageBackend, storage_for
 
 
@@ -127,8 +127,7 @@ def get_muon_optimizer(
     optimizers = []
     for expert in (False, True):
         param_groups = [g for g in all_groups if g["is_expert_parallel"] == expert]
-        buffer_name = "expert_parallel_buffers" if expert else "buffers"
-        buffers = {i: getattr(c, buffer_name) for i, c in enumerate(model_chunks) if getattr(c, buffer_name, None)}
+        buffers = storage.chunk_buffers(model_chunks, expert)
         if not any(g["params"] for g in param_groups) and expert:
             continue
         if expert:

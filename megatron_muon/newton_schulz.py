@@ -1,4 +1,6 @@
-"""Newton–Schulz orthogonalization: the matrix kernel of Muon.
+"""Newton–Schulz orthogonalization's data and costs: the coefficient sets, the choice
+between the standard and the Gram iteration, and their FLOP counts. The kernels themselves
+are the orthogonalization stage of Muon's rule (``rule.py``: ``newton_schulz``).
 
 Muon replaces a momentum matrix ``G = U S V^T`` by (an approximation of) its polar factor
 ``U V^T``, using only matrix products:
@@ -23,9 +25,8 @@ picks it for aspect ratios of at least :data:`GRAM_MIN_ASPECT`. docs/design.md
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -36,9 +37,7 @@ __all__ = [
     "GRAM_RESTART_STEPS",
     "NS_METHODS",
     "choose_method",
-    "gram_dtype",
     "method_for_device",
-    "newton_schulz",
     "newton_schulz_flops",
     "resolve_coefficients",
 ]
@@ -46,7 +45,7 @@ __all__ = [
 Triple = Tuple[float, float, float]
 
 NS_METHODS = ("standard", "gram", "auto")
-"""Values of ``newton_schulz(method=...)`` and ``MuonConfig.muon_ns_method``."""
+"""Values of ``rule.newton_schulz(method=...)`` and ``MuonConfig.muon_ns_method``."""
 
 GRAM_RESTART_STEPS = 3
 """Gram NS restarts (materialises ``X``, recomputes ``R``, resets ``Q``) after this many
@@ -181,79 +180,6 @@ def resolve_coefficients(coefficients: Union[str, CoefficientSet]) -> Coefficien
         ) from None
 
 
-def _normalised_wide(G: torch.Tensor, compute_dtype: torch.dtype, eps: float) -> Tuple[torch.Tensor, bool]:
-    """``G`` (transposed if tall) over its Frobenius norm, in ``compute_dtype``; and whether
-    it was transposed."""
-    tall = G.size(-2) > G.size(-1)
-    X = G.mT if tall else G
-    # The norm is taken in fp32: a bf16 sum of squares over a large matrix loses digits,
-    # and an underestimated norm would push singular values above 1, where p() diverges.
-    # Both ops read a 16-bit G as it is and compute in fp32 (the division stores straight
-    # into compute_dtype): the bits of normalising an fp32 copy, without the copy.
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.promote_types(X.dtype, torch.float32))
-    # empty_like keeps a tall G's transposed strides: the products below read X in the
-    # memory order they always have (another order sums in another order).
-    return torch.div(X, norm + eps, out=torch.empty_like(X, dtype=compute_dtype)), tall
-
-
-def _ns_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
-    """The standard iteration on ``X`` itself; the result in ``compute_dtype``."""
-    X, tall = _normalised_wide(G, compute_dtype, eps)
-    # The triples are Python floats fixed for a given config: torch.compile bakes them
-    # into the graph once instead of taking them as inputs (nothing here varies per
-    # training step, so there is nothing to recompile for).
-    # addmm/baddbmm fold the scale-and-add into the GEMM: one bf16 rounding instead of
-    # three (about half the bf16 error of the plain expression) and no extra kernels.
-    fma = torch.baddbmm if X.ndim == 3 else torch.addmm
-    for a, b, c in schedule:
-        A = X @ X.mT
-        B = fma(A, A, A, beta=b, alpha=c)  # b*A + c*A@A
-        X = fma(X, B, X, beta=a)  # a*X + B@X
-    return X.mT if tall else X
-
-
-def _gram_kernel(G: torch.Tensor, schedule: Tuple[Triple, ...], compute_dtype: torch.dtype, eps: float) -> torch.Tensor:
-    """Gram Newton–Schulz: iterate on ``R = X X^T`` and the accumulated ``Q`` (module
-    docstring), restarting every :data:`GRAM_RESTART_STEPS` steps; the result in
-    :func:`gram_dtype`."""
-    dtype = gram_dtype(compute_dtype)
-    X, tall = _normalised_wide(G, dtype, eps)
-    fma = torch.baddbmm if X.ndim == 3 else torch.addmm
-    for start in range(0, len(schedule), GRAM_RESTART_STEPS):
-        segment = schedule[start : start + GRAM_RESTART_STEPS]
-        R = X @ X.mT
-        Q: Optional[torch.Tensor] = None
-        for i, (a, b, c) in enumerate(segment):
-            # P = a I + Z is never formed: a*I folds into each product's scale-and-add
-            # (one rounding per product, as in the standard kernel).
-            Z = fma(R, R, R, beta=b, alpha=c)  # b*R + c*R@R
-            if Q is None:  # Q starts as I: the first step's product is free
-                Q = Z.clone()
-                Q.diagonal(dim1=-2, dim2=-1).add_(a)
-            else:
-                Q = fma(Q, Z, Q, beta=a)  # P Q
-            if i + 1 < len(segment):  # the last step of a segment needs no R
-                PR = fma(R, Z, R, beta=a)  # P R
-                R = fma(PR, PR, Z, beta=a)  # P R P
-        X = Q @ X
-    return X.mT if tall else X
-
-
-def gram_dtype(compute_dtype: torch.dtype) -> torch.dtype:
-    """The dtype Gram NS computes in: fp32, or fp16 for any 16-bit ``compute_dtype``."""
-    return torch.float32 if compute_dtype == torch.float32 else torch.float16
-
-
-_KERNELS: Dict[str, Callable[..., torch.Tensor]] = {"standard": _ns_kernel, "gram": _gram_kernel}
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_kernel(method: str) -> Callable[..., torch.Tensor]:
-    # Compiled lazily and once per process and method; guards then specialise per
-    # shape/schedule/dtype.
-    return torch.compile(_KERNELS[method])
-
-
 def choose_method(m: int, n: int, method: str = "auto") -> str:
     """The iteration ``newton_schulz(method=method)`` runs on an ``m x n`` matrix:
     ``"auto"`` resolves by aspect ratio (:data:`GRAM_MIN_ASPECT`)."""
@@ -272,48 +198,6 @@ def method_for_device(method: str, device: Optional[torch.device]) -> str:
     if method == "auto" and device is not None and torch.device(device).type == "cpu":
         return "standard"
     return method
-
-
-def newton_schulz(
-    G: torch.Tensor,
-    steps: int = 5,
-    coefficients: Union[str, CoefficientSet] = "quintic",
-    compute_dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
-    compiled: bool = False,
-    method: str = "standard",
-    keep_compute_dtype: bool = False,
-) -> torch.Tensor:
-    """Approximate the polar factor ``U V^T`` of ``G`` (or of each matrix of a stack).
-
-    Args:
-        G: ``[m, n]`` matrix or ``[B, m, n]`` stack of same-shape matrices; the stack is
-            processed with batched matmuls, each matrix normalised by its own norm.
-        steps: number of Newton–Schulz iterations (0 returns the normalised input).
-        coefficients: a name from :data:`COEFFICIENT_SETS` or a :class:`CoefficientSet`.
-        compute_dtype: dtype of the iteration (bf16 by default; fp32 for exactness). Gram
-            NS computes in fp16 for any 16-bit dtype (module docstring).
-        eps: added to the Frobenius norm so an all-zero matrix maps to zero, not NaN.
-        compiled: run a ``torch.compile``-d kernel (compiled on first use, then cached).
-        method: ``"standard"`` (iterate on ``X``), ``"gram"`` (iterate on ``X X^T``;
-            fewer FLOPs for wide matrices) or ``"auto"`` (by aspect ratio, see
-            :func:`choose_method`).
-        keep_compute_dtype: return the result in the dtype the iteration ran in (Gram NS:
-            :func:`gram_dtype`) instead of casting it to ``G``'s: a caller that scales and
-            casts it anyway saves a pass over the matrices, and no rounding is added.
-
-    Returns:
-        A tensor of ``G``'s shape, in ``G``'s dtype (or the compute dtype).
-    """
-    if G.ndim not in (2, 3):
-        raise ValueError(f"newton_schulz expects a 2-D matrix or 3-D stack, got shape {tuple(G.shape)}.")
-    if steps < 0:
-        raise ValueError(f"newton_schulz steps must be >= 0, got {steps}.")
-    method = choose_method(G.size(-2), G.size(-1), method)
-    schedule = resolve_coefficients(coefficients).schedule(steps)
-    kernel = _compiled_kernel(method) if compiled else _KERNELS[method]
-    X = kernel(G, schedule, compute_dtype, eps)
-    return X if keep_compute_dtype else X.to(G.dtype)
 
 
 def newton_schulz_flops(m: int, n: int, steps: int = 5, batch: int = 1, method: str = "standard") -> int:

@@ -3,11 +3,11 @@
 Megatron's distributed optimizer checks for inf/nan only when it has a loss scaler (fp16,
 or an explicit ``loss_scale``): a bf16 or fp32 run would step on a NaN gradient and spread
 it through Newton–Schulz into every Muon matrix. ``MuonDistributedOptimizer`` therefore
-checks always, with the same fused kernel Megatron uses for unscaling
-(``torch._amp_foreach_non_finite_check_and_unscale_``, a unit scale without a scaler) over
-the grads of this rank's fp32 masters, then all-reduces the flag (MAX) over the optimizer's
-grad-statistics group (every tensor-, pipeline- and data-parallel rank of the optimizer
-instance), so all ranks take the same decision. The chained optimizer ORs the flags of its
+checks always (``MuonDistributedOptimizer.unscale_and_check_grads``), with the same fused
+kernel Megatron uses for unscaling (``torch._amp_foreach_non_finite_check_and_unscale_``, a
+unit scale without a scaler) over the grads of this rank's fp32 masters, then all-reduces
+the flag (MAX) over the optimizer's grad-statistics group (every tensor-, pipeline- and
+data-parallel rank of the optimizer instance), so all ranks take the same decision. The chained optimizer ORs the flags of its
 dense and expert optimizers before any loss scaler is updated.
 
 :class:`SkipCounter` counts skipped steps and raises :class:`NonFiniteGradientError`, naming a
@@ -25,20 +25,6 @@ import torch.distributed as dist
 
 class NonFiniteGradientError(RuntimeError):
     """Training cannot continue: gradients stayed non-finite for too many steps."""
-
-
-def non_finite_flag(
-    grads: List[torch.Tensor], inv_scale: torch.Tensor, group: Optional[dist.ProcessGroup]
-) -> torch.Tensor:
-    """Unscale ``grads`` in place by ``inv_scale`` and return a 1-element flag, > 0 when any
-    element of any rank's ``grads`` is inf or NaN (all-reduced MAX over ``group``)."""
-    device = grads[0].device if grads else inv_scale.device
-    found = torch.zeros(1, dtype=torch.float, device=device)
-    if grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
-    return found
 
 
 def local_non_finite_names(named_grads: Iterable[Tuple[str, Optional[torch.Tensor]]]) -> List[str]:

@@ -10,28 +10,30 @@ expert-parallel parameters) and :class:`MuonChainedOptimizer` subclasses Megatro
 ``ChainedOptimizer``, keeping its ``step()``. Where the masters, gradients and parameters
 live is the data-parallel engine's: each optimizer holds a storage backend
 (``storage/``) and asks it for the copies, the parameter sync and the checkpoint format.
-The update itself is :meth:`MuonChainedOptimizer.step_with_ready_grads`:
+Before the update, :meth:`MuonChainedOptimizer.prepare_grads` copies the gradients into the
+masters and checks for inf/NaN in every precision: a step with a non-finite gradient is
+skipped on every rank, and too many in a row raise (``non_finite.py``). The update itself is
+:meth:`MuonChainedOptimizer.step_with_ready_grads`:
 
-1. every Muon chunk of both optimizers through ``pipeline.drive`` (momentum, gather,
-   Newton–Schulz, scatter, decay and update; the expert chunks while the first dense
-   gathers travel);
+1. this step's Muon work begun (``pipeline.StepWork``: one generator per chunk of both
+   optimizers, running the stages of the rule, ``rule.py``);
 2. AdamW on the scalar parameters (embeddings, output layer, norms, biases, the router);
-3. QK-Clip on the fp32 masters;
-4. the backend's master -> model copy and parameter sync.
+3. QK-Clip's row factors;
+4. the schedule (``pipeline.RunNow``): every chunk (momentum, gather, Newton–Schulz,
+   scatter, decay and update; the expert chunks while the first dense gathers travel),
+   QK-Clip's scaling of the fp32 masters, the backend's master -> model copy and parameter
+   sync. With ``muon_step_overlap='forward'`` the schedule is a ``pipeline.PendingStep``:
+   only every chunk's momentum now, the rest when the next forward's parameter sync needs
+   it.
 
-With ``muon_step_overlap='forward'`` the chunks' exchanges, QK-Clip's scaling and the copy
-wait in a :class:`~megatron_muon.step_overlap.PendingStep` until the next forward's
-parameter sync needs them (``step_overlap.py``).
-
-Before it, ``prepare_grads`` checks for inf/NaN in every precision (``non_finite.py``): a
-step with a non-finite gradient is skipped on every rank, and too many in a row raise.
+The rule is plain Muon or the variant the config asks for (:data:`RULE_VARIANTS`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type
+from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -39,20 +41,29 @@ from megatron.core.optimizer import ChainedOptimizer
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.profiler import record_function
 
-from .config import MuonConfig, update_scale
+from .config import MuonConfig
 from .matrices import MuonParam, unwrap
-from .newton_schulz import method_for_device, resolve_coefficients
-from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names, non_finite_flag
-from .pipeline import MuonStep, advance_momentum, chunk_exchange, chunk_update, drive
+from .newton_schulz import method_for_device
+from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names
+from .pipeline import MuonPipeline, PendingStep, RunNow, StepWork, side_stream
 from .planner import Plan, plan_for_config, plan_statistics, rank_messages
 from .process_groups import build_ortho_group, subgroup
 from .qk_clip import QKClip
+from .rule import MuonRule
 from .state import OffloadedMasters, OwnerStates, ShardStates, init_adam_states, muon_states
-from .step_overlap import PendingStep, side_stream
 from .storage import StorageBackend, storage_for
 from .timers import megatron_timer
 
 logger = logging.getLogger(__name__)
+
+RULE_VARIANTS: Tuple[Type[MuonRule], ...] = ()
+"""Muon's variants (``rule.py``): the first whose ``enabled(config)`` holds is the rule; plain
+Muon otherwise. ``MuonConfig`` refuses settings that turn on two."""
+
+
+def muon_rule(config: MuonConfig, device: Optional[torch.device]) -> MuonRule:
+    """The rule ``config`` asks for on ``device``, built once per optimizer."""
+    return next((variant for variant in RULE_VARIANTS if variant.enabled(config)), MuonRule)(config, device)
 
 
 class MuonAdamW(torch.optim.AdamW):
@@ -116,6 +127,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     ) -> None:
         self.name = name
         self.qk_clip = qk_clip
+        self._alone: Optional[MuonChainedOptimizer] = None
         self.owner_aligned = owner_aligned
         """DDP was built with ``owner_aligned_param_layout``: owners stay at the DP index holding each matrix."""
         super().__init__(
@@ -144,7 +156,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         )
         """The Newton–Schulz iteration on this device (``muon_ns_method`` 'auto' is standard on a CPU)."""
         self.plan = self._plan(tp_group, owner_aligned)
-        self.muon = self._muon_step()
+        self.muon = self._muon_pipeline()
 
     # ------------------------------------------------------------------ construction
     def _plan(self, tp_group: dist.ProcessGroup, owner_aligned: bool) -> Plan:
@@ -168,8 +180,8 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 )
         return plan
 
-    def _muon_step(self) -> MuonStep:
-        """Everything the Muon step reads: this rank's messages of the plan, masters, state."""
+    def _muon_pipeline(self) -> MuonPipeline:
+        """Everything the Muon step reads: this rank's messages of the plan, masters, state, the rule."""
         cfg: MuonConfig = self.config
         shards = [self.shard_map[mp.param] for mp in self.muon_params]
         masters = [s.master for s in shards]
@@ -180,7 +192,9 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         if cfg.optimizer_cpu_offload:
             self.masters_offload = OffloadedMasters(self.storage.float16_masters(), device)
         me = self.plan.group.rank
-        return MuonStep(
+        rule = muon_rule(cfg, device)
+        rule.check(self.plan.jobs)
+        return MuonPipeline(
             group=self.plan.group,
             messages=messages,
             masters=masters,
@@ -195,19 +209,9 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             owner_states=OwnerStates(
                 muon_states(cfg, "owner"), torch.device("cpu") if cfg.muon_cpu_offload else device
             ),
-            scales=[update_scale(cfg, *job.matrix.scale_shape) for job in self.plan.jobs],
-            momentum=cfg.muon_momentum,
-            nesterov=cfg.muon_nesterov,
-            ns_steps=cfg.muon_num_ns_steps,
-            coefficients=cfg.muon_coefficient_type,
-            ns_dtype=cfg.muon_ns_dtype,
-            ns_method=self.ns_method,
-            compiled=cfg.muon_use_torch_compile,
-            schedule=resolve_coefficients(cfg.muon_coefficient_type).schedule(cfg.muon_num_ns_steps),
-            comm_dtype=cfg.comm_dtype,
-            variance_reduction=cfg.muon_variance_reduction,
-            cautious=cfg.muon_cautious_weight_decay,
+            rule=rule,
             device=device,
+            max_inflight=cfg.muon_max_inflight_chunks,
             subgroups={
                 tuple(sorted(j.ns_ranks)): subgroup(self.plan.group, j.ns_ranks)
                 for j in self.plan.jobs
@@ -219,22 +223,19 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def plan_statistics(self) -> Dict[str, object]:
         return plan_statistics(self.plan)
 
-    # ------------------------------------------------------------------ non-finite gradients
-    @torch.no_grad()
-    def unscale_and_check_grads(self) -> torch.Tensor:
-        """Copy the model grads into this rank's master grads, unscale them (loss scaler)
-        and return the non-finite flag, all-reduced over the grad-statistics group.
+    # ------------------------------------------------------------------ stepped alone
+    @property
+    def alone(self) -> "MuonChainedOptimizer":
+        """A chain of this optimizer alone: what its Megatron ``step()`` runs (every step of
+        ours is the chain's, so stepped alone it steps as a chain of one)."""
+        if self._alone is None:
+            self._alone = MuonChainedOptimizer([self])
+        return self._alone
 
-        Megatron's ``prepare_grads`` does this only with a loss scaler; we do it always
-        (unit scale without one), so bf16 and fp32 runs skip non-finite steps too."""
-        stub = getattr(self, "is_stub_optimizer", False)  # holds no params, still votes
-        with megatron_timer(self.config, "optimizer-copy-to-main-grad"):
-            if not stub:
-                self.storage.copy_grads_to_masters()
-        with megatron_timer(self.config, "optimizer-unscale-and-check-inf"):
-            inv_scale = self.grad_scaler.inv_scale if self.grad_scaler else self._scale_one
-            grads = [] if stub else self.storage.master_grads()
-            return non_finite_flag(grads, inv_scale, self.get_grad_stats_parallel_group())
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Megatron's pre-step hook: True (skip the step) when any rank's gradient is non-finite."""
+        return self.alone.prepare_grads()
 
     def _copy_main_params_to_model_params(self) -> None:
         self.storage.copy_masters_to_model()
@@ -242,14 +243,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self.storage.release_master_grads()
-
-    @torch.no_grad()
-    def prepare_grads(self) -> bool:
-        """Megatron's pre-step hook: True (skip the step) when any rank's gradient is non-finite."""
-        found = bool(self.unscale_and_check_grads().item() > 0)
-        if self.grad_scaler:
-            self.grad_scaler.update(found)
-        return found
 
     def non_finite_grad_names(self) -> List[str]:
         """Names of the model params whose master grad on this rank is non-finite."""
@@ -270,35 +263,10 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         return scaler is not None and hasattr(scaler, "min_scale") and bool(scaler.scale > scaler.min_scale)
 
     # ------------------------------------------------------------------ the update
-    def muon_chunks(self, measure_updates: bool = False) -> List[Iterator[None]]:
-        """This step's Muon chunks, each a generator for ``pipeline.drive`` (the state of
-        the step is started here; :meth:`end_muon_step` ends it); ``measure_updates``: sum
-        the squares of the updates (the update RMS)."""
-        per_param = self._begin_muon_step(measure_updates)
-        kept: dict = {}
-        return [chunk_update(self.muon, msg, per_param, kept) for msg in self.muon.messages]
-
-    def pending_muon_chunks(self, measure_updates: bool = False) -> Tuple[List[Iterator[None]], List[torch.Tensor]]:
-        """This step's Muon chunks with every chunk's momentum advanced here, so that the
-        generators need no gradient (a pending step): the chunk exchanges, and the tensors
-        made here that they read (the orthogonalization inputs)."""
-        per_param = self._begin_muon_step(measure_updates)
-        kept: dict = {}
-        inputs = [advance_momentum(self.muon, msg, kept) for msg in self.muon.messages]
-        chunks = [chunk_exchange(self.muon, msg, x, per_param, kept) for msg, x in zip(self.muon.messages, inputs)]
-        return chunks, [t for x in inputs for t in x.values()] + list(kept.values())
-
-    def _begin_muon_step(self, measure_updates: bool) -> List[Tuple[float, float]]:
-        """Start the step's state; this step's (learning rate, weight decay) of every Muon param."""
+    def muon_lr_wd(self) -> List[Tuple[float, float]]:
+        """This step's (learning rate, weight decay) of every Muon param (from its group)."""
         lr_wd = {id(p): (g["lr"], g["weight_decay"]) for g in self.optimizer.muon_groups for p in g["params"]}
-        self.muon.shard_states.begin()
-        self.muon.previous_updates = self.muon.measured_updates()
-        self.muon.measure_updates = measure_updates
-        self.muon.update_square_sum, self.muon.update_numel = None, 0
         return [lr_wd[id(m)] if m is not None else (0.0, 0.0) for m in self.muon.masters]
-
-    def end_muon_step(self) -> None:
-        self.muon.shard_states.finish()
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
@@ -309,8 +277,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
                 "With QK-Clip, step the MuonChainedOptimizer that get_muon_optimizer returned: its step() "
                 "resets the max-logit recorders after every step, taken or skipped."
             )
-        update([self], overlap_expert=False)
-        return True
+        return self.alone.step_with_ready_grads()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self):
@@ -336,54 +303,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
             self.grad_scaler.load_state_dict(common["grad_scaler"])
 
 
-def update(
-    optimizers: Sequence[MuonDistributedOptimizer],
-    overlap_expert: bool,
-    measure_updates: bool = False,
-    pending: Optional[PendingStep] = None,
-) -> None:
-    """The update of chained Muon optimizers (dense first), in the order the data flows:
-    every Muon chunk (the expert chunks while the first dense gathers travel, with
-    ``overlap_expert``), AdamW, QK-Clip, the master -> model copy, the parameter sync.
-
-    With ``pending`` (``muon_step_overlap='forward'``): the momentum of every chunk, AdamW
-    and QK-Clip's row factors; the chunks' exchanges, the scaling and the copy are left to
-    ``pending``, which the next forward's parameter sync drives."""
-    config = optimizers[0].config
-    with megatron_timer(config, "optimizer-inner-step"):
-        if pending is None:
-            chunks = [opt.muon_chunks(measure_updates) for opt in optimizers]
-            if overlap_expert and len(chunks) > 1:
-                drive(chunks[0], config.muon_max_inflight_chunks, overlapped=chunks[1])
-            else:
-                for chunk_list in chunks:
-                    drive(chunk_list, config.muon_max_inflight_chunks)
-            for opt in optimizers:
-                opt.end_muon_step()
-        else:
-            made = [opt.pending_muon_chunks(measure_updates) for opt in optimizers]
-            chunks, inputs = [c for c, _ in made], [t for _, ts in made for t in ts]
-        for opt in optimizers:
-            with record_function("muon/adamw"):
-                opt.optimizer.step()  # AdamW on the scalar parameters
-        clips = []
-        for opt in optimizers:
-            if opt.qk_clip is not None:
-                with record_function("muon/qk_clip"):
-                    if pending is None:
-                        opt.qk_clip.apply(opt.shard_map)
-                    else:
-                        clips += opt.qk_clip.clip_factors()
-    if pending is not None:
-        pending.begin(chunks, clips, inputs)
-        return
-    with megatron_timer(config, "optimizer-copy-main-to-model-params"), record_function("muon/copy_to_model"):
-        for opt in optimizers:
-            opt.storage.copy_masters_to_model()
-    for opt in optimizers:
-        opt.storage.start_param_sync()
-
-
 class MuonChainedOptimizer(ChainedOptimizer):
     """Megatron's ChainedOptimizer over our dense and expert optimizers.
 
@@ -395,9 +314,15 @@ class MuonChainedOptimizer(ChainedOptimizer):
     def __init__(self, chained_optimizers, step_overlap: str = "none") -> None:
         super().__init__(chained_optimizers)
         self.pending: Optional[PendingStep] = None
+        """With ``muon_step_overlap='forward'``: the schedule, holding what the last step left
+        for the next forward."""
         if step_overlap == "forward":
             self.pending = PendingStep(self.muon_optimizers, side_stream(self.config, self.dense.muon.device))
-        """With ``muon_step_overlap='forward'``: what the last step left for the next forward."""
+        self.schedule = self.pending if self.pending is not None else RunNow(self.muon_optimizers)
+        """Where the Muon step runs: ``pipeline.RunNow`` or ``pipeline.PendingStep``."""
+        self.work: Optional[StepWork] = None
+        self.previous_work: Optional[StepWork] = None
+        """The last step taken and the one before it (what the update RMS is read from)."""
         self.num_steps = 0
         """Successful optimizer steps taken (saved in checkpoints)."""
         self.skips = SkipCounter(self.config.muon_max_consecutive_skipped_steps)
@@ -432,10 +357,29 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """Check every chained optimizer, then update every loss scaler with the combined
-        flag, so the dense and expert optimizers skip together and their scales stay equal
-        (Megatron's chain would update each scaler with its own optimizer's flag)."""
-        flags = [opt.unscale_and_check_grads() for opt in self.muon_optimizers]
+        """Megatron's pre-step hook: every chained optimizer's reduced gradients copied into
+        its fp32 masters (its storage backend), unscaled and checked for inf/NaN; True (skip
+        the step on every rank) when any is not finite. Megatron does this only with a loss
+        scaler; we do it always (a unit scale without one), so bf16 and fp32 runs skip
+        non-finite steps too. One fused kernel unscales and flags (Megatron's); each flag is
+        MAX-reduced over its optimizer's grad-statistics group, so every rank decides alike.
+        Every loss scaler is then updated with the combined flag, so the dense and expert
+        optimizers skip together and their scales stay equal (Megatron's chain would update
+        each scaler with its own optimizer's flag)."""
+        flags = []
+        for opt in self.muon_optimizers:
+            with megatron_timer(opt.config, "optimizer-copy-to-main-grad"):
+                grads = [] if opt.is_stub_optimizer else opt.storage.copy_grads_to_masters()
+            with megatron_timer(opt.config, "optimizer-unscale-and-check-inf"):
+                inv_scale = opt.grad_scaler.inv_scale if opt.grad_scaler else opt._scale_one
+                device = grads[0].device if grads else inv_scale.device
+                found = torch.zeros(1, dtype=torch.float, device=device)
+                if grads:
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv_scale.to(device))
+                group = opt.get_grad_stats_parallel_group()
+                if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+                flags.append(found)
         found = bool(torch.cat(flags).max().item() > 0)
         for opt in self.muon_optimizers:
             if opt.grad_scaler:
@@ -472,12 +416,31 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
-        """The update of both optimizers (:func:`update`); then, as Megatron's chain does
-        with ``overlap_param_gather_with_optimizer_step``, the first model chunk's
-        all-gather is dispatched to overlap the rest of the iteration."""
-        update(self.muon_optimizers, self.config.muon_overlap_expert_ns, self.measure_updates, self.pending)
+        """The update of the chained optimizers (dense first): this step's Muon work begun
+        (``pipeline.StepWork``), AdamW on the scalar parameters, QK-Clip's row factors, then
+        the schedule (:attr:`schedule`) runs the Muon step: :class:`~megatron_muon.pipeline.RunNow`
+        ('none') every chunk, QK-Clip's scaling, the master -> model copy and the parameter
+        sync at once; :class:`~megatron_muon.pipeline.PendingStep` ('forward') every chunk's
+        momentum now and the rest before the next forward syncs each parameter. As
+        Megatron's chain does with ``overlap_param_gather_with_optimizer_step``, the first
+        model chunk's all-gather is then dispatched to overlap the rest of the iteration."""
+        optimizers = self.muon_optimizers
+        with megatron_timer(self.config, "optimizer-inner-step"):
+            work = StepWork(
+                [opt.muon for opt in optimizers], [opt.muon_lr_wd() for opt in optimizers], self.measure_updates
+            )
+            for opt in optimizers:
+                with record_function("muon/adamw"):
+                    opt.optimizer.step()  # AdamW on the scalar parameters
+            clips = []
+            for opt in optimizers:
+                if opt.qk_clip is not None:
+                    with record_function("muon/qk_clip"):
+                        clips += [(opt.shard_map, param, factors) for param, factors in opt.qk_clip.clip_factors()]
+            self.schedule.run(work, clips)
+        self.previous_work, self.work = self.work, work
         if self.config.overlap_param_gather_with_optimizer_step:
-            self.dense.model_chunks[0].start_param_sync(force_dispatch=True)
+            self.dense.storage.dispatch_param_sync()
         return True
 
     @torch.no_grad()
@@ -541,16 +504,15 @@ class MuonChainedOptimizer(ChainedOptimizer):
         and ``qk-clip-heads-clipped``."""
         out = {"skipped-steps": float(self.skips.skipped_steps), "optimizer-step-ms": self.step_seconds * 1e3}
         pending = self.pending is not None and self.pending.active
-        measured = [
-            opt.muon.previous_updates if pending else opt.muon.measured_updates() for opt in self.muon_optimizers
-        ]
-        if all(m is not None for m in measured):
+        work = self.previous_work if pending else self.work
+        measured = work.measured() if work is not None else None
+        if measured is not None:
             device = self.dense.muon.device or torch.device("cpu")
             sums = torch.zeros(2, dtype=torch.float64, device=device)
-            for square_sum, numel in measured:
-                if square_sum is not None:
-                    sums[0] += square_sum.double().to(device)
-                sums[1] += numel
+            square_sum, numel = measured
+            if square_sum is not None:
+                sums[0] += square_sum.double().to(device)
+            sums[1] += numel
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(sums)
             out["update-rms"] = float((sums[0] / sums[1].clamp_min(1)).sqrt())

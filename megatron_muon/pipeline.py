@@ -1,60 +1,71 @@
-"""The Muon step of one optimizer: one generator per chunk of matrices, and the driver.
+"""The Muon step: one object per ``step()`` (:class:`StepWork`), its chunks, and the two
+schedules that run them.
 
-:func:`chunk_update` is the whole update of one chunk of the plan, in the order the
-maths happens, on every rank of the orthogonalization group:
+Each optimizer's plan cuts its matrices into chunks (``planner.py``). A chunk is one
+generator (:meth:`StepWork.chunk`) that runs the stages of the rule (``rule.py``) where the
+data is, on every rank of the orthogonalization group:
 
-1. **momentum** of the master ranges this chunk sends, on the device (fp32):
-   ``buf = mu * buf + g``, and the Nesterov input ``g + mu * buf``;
+1. **before** on this rank's master ranges: the momentum and the orthogonalization inputs;
 2. **gather**: pack this rank's pieces, ordered by owner, and start one
    ``all_to_all_single`` that delivers each piece to the rank that orthogonalizes its
    matrix; *yield* while it travels;
-3. **Newton–Schulz** on the owner: the owned matrices of one shape as one batched call
-   (``planner.Stack``; a matrix planned over several ranks with them:
-   ``multirank_newton_schulz``), variance reduction if on, times the update scale. Where a
+3. **orthogonalize** and **after** on the owner: the owned matrices of one shape as one
+   batched Newton–Schulz (``planner.Stack``; a matrix planned over several ranks with them:
+   ``multirank_newton_schulz``), then variance reduction if on and the update scale. Where a
    stack arrives whole and in order it is read in place from the receive buffer and its
    update written in place into the send buffer; otherwise each matrix is assembled from
    its TP x DP pieces and its update cut back into them;
-4. **scatter**: start the reverse ``all_to_all_single`` of the update pieces; *yield*
-   while it travels;
-5. **decay and update** of each arriving piece's fp32 master range:
-   ``w -= lr * wd * w`` (cautious: only where ``update * w >= 0``), ``w -= lr * update``.
+4. **scatter**: the reverse ``all_to_all_single``; *yield* while it travels;
+5. **apply** on each arriving piece's fp32 master range.
 
-Stage 1 is :func:`advance_momentum`, stages 2-5 :func:`chunk_exchange`: a step left
-pending for the next forward (``step_overlap.py``) runs the first for every chunk inside
-``optimizer.step()`` and the second later, with the same arithmetic.
+:meth:`StepWork.run` drives chunks: it launches the gathers of up to
+``muon_max_inflight_chunks`` chunks ahead of the one it completes, so one chunk's
+communication travels while another computes, and runs another optimizer's chunks (the
+expert ones) while the first gathers are in flight. Everything a chunk sends and receives
+was computed once from the plan (``planner.rank_messages``).
 
-:func:`drive` interleaves the chunks: it launches the gathers of up to ``max_inflight``
-chunks ahead of the one it completes, so one chunk's communication travels while another
-computes, and runs other chunks (the expert optimizer's) while the first gathers are in
-flight. Everything a chunk sends and receives was computed once from the plan
-(``planner.rank_messages``); nothing is passed in as a callable.
+The step is begun once, when a :class:`StepWork` is made (the shard states' step, this
+step's learning rates), and each optimizer's part ends when its last chunk has run, by
+whichever schedule ran it. Two schedules run it (``muon_step_overlap``):
 
-Each stage is a ``torch.profiler`` range, ``muon/momentum``, ``muon/gather`` (the launch and
-the wait), ``muon/newton_schulz``, ``muon/scatter`` (launch and wait), ``muon/update``: a
-trace (Megatron-LM's ``--profile --use-pytorch-profiler``) shows where the step's time goes.
+- :class:`RunNow` ('none'): every chunk inside ``optimizer.step()``, then QK-Clip's scaling,
+  the master -> model copy and the parameter sync;
+- :class:`PendingStep` ('forward'): inside ``step()`` only every chunk's first stage (after
+  it no chunk reads a gradient, so the next backward may reuse the buffers); the rest of
+  each chunk, QK-Clip's scaling and the copy run before the next forward syncs the
+  parameters they touch, unit by unit of the parameter sync (DDP: bucket group). The
+  storage backend calls :meth:`PendingStep.before_sync` there (``storage.hook_param_sync``).
+  A chunk computes the same bits whenever it runs: it reads only its orthogonalization
+  inputs, the masters it updates and the captured learning rates; every rank of a group
+  runs the same forward and so finishes the same chunks in the same order.
+
+Each stage is a ``torch.profiler`` range, ``muon/momentum``, ``muon/gather`` (launch and
+wait), ``muon/newton_schulz``, ``muon/scatter`` (launch and wait), ``muon/update``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Collection, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Collection, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .multirank_newton_schulz import multirank_newton_schulz
-from .newton_schulz import newton_schulz
 from .planner import ChunkMessages, Job, Piece
 from .process_groups import OrthoGroup
-from .state import MOMENTUM, SECOND_MOMENT, OffloadedMasters, OwnerStates, ShardStates
+from .qk_clip import scale_master_rows_
+from .rule import AppliedChunk, MuonRule
+from .shard_map import ShardMap
+from .state import OffloadedMasters, OwnerStates, ShardStates
+from .timers import megatron_timer
 
 
 @dataclass
-class MuonStep:
-    """What one optimizer's Muon step reads; built once with the optimizer."""
+class MuonPipeline:
+    """What one optimizer's Muon step reads, built once with the optimizer."""
 
     group: OrthoGroup
     messages: List[ChunkMessages]
@@ -62,173 +73,444 @@ class MuonStep:
     """This rank's fp32 master of every Muon param (None where it holds none)."""
     shard_states: ShardStates
     owner_states: OwnerStates
-    scales: List[float]
-    """The update scale of every job of the plan."""
-    momentum: float
-    nesterov: bool
-    ns_steps: int
-    coefficients: str
-    ns_dtype: torch.dtype
-    ns_method: str
-    compiled: bool
-    schedule: Tuple[Tuple[float, float, float], ...]
-    """The coefficient triples of the ``ns_steps`` steps (multi-rank jobs)."""
-    comm_dtype: torch.dtype
-    variance_reduction: Optional[float]
-    cautious: bool
+    rule: MuonRule
     device: Optional[torch.device]
+    max_inflight: int
+    """How many chunks' gathers may be in flight while one computes (``muon_max_inflight_chunks``)."""
     subgroups: Dict[Tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     """The process groups of the multi-rank jobs this rank takes part in."""
     offloaded_masters: Optional[OffloadedMasters] = None
     """The fp32 masters in a CPU pool (``optimizer_cpu_offload``), or None."""
-    measure_updates: bool = False
-    """Whether this step sums the squares of its updates (``update_square_sum``): only when
-    a logger asked for the update RMS."""
-    update_square_sum: Optional[torch.Tensor] = None
-    update_numel: int = 0
-    """Sum of squares and count of the elements of the updates this rank computed in the
-    last step (the owners' matrices, scaled): the update RMS a run logs."""
-    previous_updates: Optional[Tuple[Optional[torch.Tensor], int]] = None
-    """``(update_square_sum, update_numel)`` of the step before the last, if it measured them."""
-    scale_tensors: Dict[Tuple[Tuple[float, ...], torch.device], torch.Tensor] = field(default_factory=dict)
-    """The update scales of each stack as an fp32 ``[B, 1, 1]`` tensor on its device, made
-    once: a host-to-device copy every step would wait for the device."""
 
-    def measured_updates(self) -> Optional[Tuple[Optional[torch.Tensor], int]]:
-        """``(update_square_sum, update_numel)`` of the last step, if it measured them."""
-        return (self.update_square_sum, self.update_numel) if self.measure_updates else None
 
-    def scale_tensor(self, scales: Tuple[float, ...], device: torch.device) -> torch.Tensor:
-        key = (scales, device)
-        if key not in self.scale_tensors:
-            self.scale_tensors[key] = torch.tensor(scales, dtype=torch.float32, device=device).view(-1, 1, 1)
-        return self.scale_tensors[key]
+Clip = Tuple[ShardMap, torch.nn.Parameter, torch.Tensor]
+"""QK-Clip's row factors of one parameter, with the shard map of the optimizer holding it."""
+
+
+class StepWork:
+    """One ``step()`` of chained Muon optimizers (dense first): one generator per chunk of
+    every optimizer's plan (:meth:`chunk`), and what the chunks share in this step: the
+    learning rates captured at its start, the orthogonalization inputs a later chunk sends
+    again, the update sizes it measured, and which chunks have not run yet."""
+
+    def __init__(
+        self, pipelines: Sequence[MuonPipeline], lr_wd: Sequence[Sequence[Tuple[float, float]]], measure: bool
+    ) -> None:
+        """``lr_wd[o][p]``: this step's (learning rate, weight decay) of optimizer ``o``'s
+        Muon param ``p``; ``measure``: sum the squares of the updates (the update RMS)."""
+        self.pipelines = list(pipelines)
+        self.lr_wd = [list(x) for x in lr_wd]
+        self.measure = measure
+        self.square_sum: Optional[torch.Tensor] = None
+        self.numel = 0
+        """Sum of squares and count of the elements of the updates this rank computed (the
+        owners' matrices): the update RMS a run logs."""
+        self.kept: List[Dict[Piece, torch.Tensor]] = [{} for _ in self.pipelines]
+        """Per optimizer: inputs of ranges a later chunk sends again (duplicated TP mode)."""
+        self.remaining: List[Dict[int, Iterator[None]]] = [
+            {msg.index: self.chunk(position, msg) for msg in p.messages} for position, p in enumerate(self.pipelines)
+        ]
+        """Per optimizer: chunk index -> its generator, for the chunks not run yet (plan order)."""
+        self.advanced: Set[Tuple[int, int]] = set()
+        """(optimizer, chunk) whose first stage ran ahead (:meth:`run` with ``momentum_only``)."""
+        self.made: List[torch.Tensor] = []
+        """The orthogonalization inputs the first stages ran ahead made (the rest reads them)."""
+        self.ended: Set[int] = set()
+        for position, pipeline in enumerate(self.pipelines):
+            pipeline.shard_states.begin()
+            if not pipeline.messages:
+                self.end(position)
+
+    def measured(self) -> Optional[Tuple[Optional[torch.Tensor], int]]:
+        """``(square_sum, numel)`` of this step's updates, if it measured them."""
+        return (self.square_sum, self.numel) if self.measure else None
+
+    def end(self, position: int) -> None:
+        """End optimizer ``position``'s part of the step (its shard states' staging freed)."""
+        if position not in self.ended:
+            self.ended.add(position)
+            self.pipelines[position].shard_states.finish()
+
+    def run(
+        self,
+        position: int,
+        indices: Optional[Iterable[int]] = None,
+        overlapped: Optional[int] = None,
+        momentum_only: bool = False,
+    ) -> None:
+        """Run optimizer ``position``'s chunks not run yet (only ``indices`` if given), in
+        plan order, overlapped: each chunk is advanced to its gather in flight, to its
+        scatter in flight, to the end; up to ``max_inflight`` gathers are launched ahead of
+        the chunk being completed, and each scatter travels while the next chunk computes.
+        Optimizer ``overlapped``'s chunks run whole once the first gathers are in flight.
+        An optimizer's part of the step ends with its last chunk. ``momentum_only``: only
+        every chunk's first stage, now (afterwards no chunk reads a gradient)."""
+        remaining = self.remaining[position]
+        chosen = sorted(remaining) if indices is None else list(indices)
+        if momentum_only:
+            for i in chosen:
+                self.advanced.add((position, i))
+                next(remaining[i])
+            return
+        todo = deque((i, remaining.pop(i)) for i in chosen)
+        gathers: deque = deque()
+        scatters: deque = deque()
+        chunk = None
+        while True:
+            while todo and len(gathers) < self.pipelines[position].max_inflight:
+                i, launched = todo.popleft()
+                if (position, i) not in self.advanced:
+                    next(launched)  # the first stage
+                next(launched)  # its gather in flight
+                gathers.append(launched)
+            if overlapped is not None:  # while the first gathers travel
+                self.run(overlapped)
+                overlapped = None
+            if chunk is not None:  # its pieces arrived: Newton–Schulz, its scatter in flight
+                next(chunk)
+                scatters.append(chunk)
+            if len(scatters) > 1 or (scatters and not gathers):
+                for _ in scatters.popleft():  # the last stage runs to the generator's end
+                    raise RuntimeError("a chunk generator yielded more than three times")
+            if not gathers and not scatters:
+                break
+            chunk = gathers.popleft() if gathers else None
+        if not remaining:
+            self.end(position)
+
+    def chunk(self, position: int, msg: ChunkMessages) -> Iterator[None]:
+        """One chunk's update (module docstring); yields after its first stage and while
+        each all-to-all travels."""
+        pipeline = self.pipelines[position]
+        rule, kept = pipeline.rule, self.kept[position]
+        with record_function("muon/momentum"):
+            states = pipeline.shard_states.fetch(msg)
+            grads = [pipeline.masters[p].grad[s:e] for p, s, e in msg.momentum]
+            current = dict(zip(msg.momentum, rule.before(grads, states)))
+            kept.update({piece: current[piece].clone() for piece in msg.kept})
+            if (position, msg.index) in self.advanced:
+                self.made += current.values()
+        yield
+        with record_function("muon/gather"):
+            pieces = [current[piece] if piece in current else kept[piece] for piece in msg.gather_send]
+            del current
+            pipeline.shard_states.release(msg)
+            recv, work = exchange(
+                pipeline.group, pieces, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote,
+                rule.comm_dtype, pipeline.device,
+            )  # fmt: skip
+        yield
+        with record_function("muon/gather"):
+            if work is not None:
+                work.wait()
+        with record_function("muon/newton_schulz"):
+            send = self.orthogonalize(pipeline, msg, recv)
+        with record_function("muon/scatter"):
+            recv, work = exchange(
+                pipeline.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote
+            )
+        yield
+        with record_function("muon/scatter"):
+            if work is not None:
+                work.wait()
+        with record_function("muon/update"):
+            masters, updates, lr_wd = [], [], []
+            host = None
+            for p, s, e, offset in msg.scatter_apply:
+                master = pipeline.masters[p][s:e]
+                if master.device != recv.device and host is None:  # CPU-offloaded masters: one copy
+                    offload = pipeline.offloaded_masters
+                    host = offload.updates_to_host(recv) if offload is not None else recv.cpu()
+                masters.append(master)
+                updates.append((recv if master.device == recv.device else host)[offset : offset + e - s])
+                lr_wd.append(self.lr_wd[position][p])
+            applied = AppliedChunk(
+                masters,
+                updates,
+                lr_wd,
+                msg.scatter_matrices,
+                msg,
+                pipeline.group,
+                pipeline.owner_states,
+                pipeline.device,
+            )
+            rule.apply(applied)
+
+    def orthogonalize(self, pipeline: MuonPipeline, msg: ChunkMessages, recv: torch.Tensor) -> torch.Tensor:
+        """The owner's stages: the scatter's send buffer of a chunk, every owned job's update
+        (the rule's ``orthogonalize`` and ``after``) cut into the holders' pieces.
+
+        Multi-rank jobs go first, with their ranks, in job order on every member. The others
+        are stacked by shape (``msg.stacks``), one batched Newton–Schulz per stack; a stack the
+        plan lays out contiguously is read in place from ``recv`` and its update written in
+        place into the send buffer (no copy beyond Newton–Schulz's own), the others are
+        assembled from their pieces and cut back into them."""
+        rule, states = pipeline.rule, pipeline.owner_states
+        send = torch.empty(sum(msg.scatter_send_splits), dtype=rule.comm_dtype, device=recv.device)
+        in_place = frozenset().union(*(stack.positions for stack in msg.stacks if stack.received))
+        matrices = assemble(msg, recv, skip=in_place)
+        outputs: List[List[Optional[torch.Tensor]]] = [[None] * job.matrix.column_groups for job in msg.owned]
+        position = {job.index: i for i, job in enumerate(msg.owned)}
+        me = pipeline.group.rank
+        updates: List[torch.Tensor] = []
+        for job in msg.jobs:
+            if me not in job.ns_ranks:
+                continue
+            members = tuple(sorted(job.ns_ranks))
+            i = position.get(job.index)
+            for k in range(job.matrix.column_groups):
+                G = matrices[i][k] if i is not None else None
+                group = pipeline.subgroups[members]
+                ortho = rule.orthogonalize_across(
+                    G, job.matrix.ns_shape, group, members, job.ns_ranks[0], pipeline.device
+                )
+                if i is not None:
+                    updates.append(rule.after(ortho.unsqueeze(0), [(job, k)], states))
+                    outputs[i][k] = updates[-1][0]
+        written = set()
+        for stack in msg.stacks:
+            if stack.received:
+                start, end = stack.received
+                G = recv[start:end].view(len(stack.members), *stack.shape)
+            else:
+                G = torch.stack([matrices[i][k] for i, k in stack.members])
+            ortho = rule.orthogonalize(G)
+            members = [(msg.owned[i], k) for i, k in stack.members]
+            if stack.sent:
+                start, end = stack.sent
+                updates.append(
+                    rule.after(ortho, members, states, send[start:end].view(len(stack.members), *stack.shape))
+                )
+                written |= stack.positions
+            else:
+                updates.append(rule.after(ortho, members, states))
+                for row, (i, k) in enumerate(stack.members):
+                    outputs[i][k] = updates[-1][row]
+        if len(written) < len(msg.owned):
+            cut_pieces(msg, outputs, send, written)
+        if self.measure:
+            for update in updates:
+                square_sum = torch.linalg.vector_norm(update, dim=(-2, -1), dtype=torch.float32).square().sum()
+                self.square_sum = square_sum if self.square_sum is None else self.square_sum + square_sum
+                self.numel += update.numel()
+        return send
 
 
 # ---------------------------------------------------------------------------------------
-# One chunk
+# The two schedules
 # ---------------------------------------------------------------------------------------
 
 
-def chunk_update(
-    step: MuonStep, msg: ChunkMessages, lr_wd: Sequence[Tuple[float, float]], kept: Dict[Piece, torch.Tensor]
-) -> Iterator[None]:
-    """One chunk's Muon update (module docstring). ``lr_wd[p]``: this step's learning rate
-    and weight decay of Muon param ``p``; ``kept``: orthogonalization inputs of ranges a
-    later chunk sends again (shared by the chunks of one step)."""
-    inputs = advance_momentum(step, msg, kept)
-    yield from chunk_exchange(step, msg, inputs, lr_wd, kept)
+class RunNow:
+    """``muon_step_overlap='none'``: the whole step inside ``optimizer.step()``."""
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.optimizers = list(optimizers)
+        self.overlap_expert = bool(optimizers[0].config.muon_overlap_expert_ns)
+
+    def run(self, work: StepWork, clips: Sequence[Clip]) -> None:
+        """Every chunk (the expert ones while the first dense gathers travel), QK-Clip's
+        scaling of the updated masters, the master -> model copy, the parameter sync."""
+        if self.overlap_expert and len(work.pipelines) > 1:
+            work.run(0, overlapped=1)
+        else:
+            for position in range(len(work.pipelines)):
+                work.run(position)
+        if clips:
+            with record_function("muon/qk_clip"):
+                for shard_map, param, factors in clips:
+                    scale_master_rows_(shard_map, param, factors)
+        with megatron_timer(self.optimizers[0].config, "optimizer-copy-main-to-model-params"):
+            with record_function("muon/copy_to_model"):
+                for opt in self.optimizers:
+                    opt.storage.copy_masters_to_model()
+        for opt in self.optimizers:
+            opt.storage.start_param_sync()
 
 
-def advance_momentum(step: MuonStep, msg: ChunkMessages, kept: Dict[Piece, torch.Tensor]) -> Dict[Piece, torch.Tensor]:
-    """Stage 1 of a chunk: the momentum of the master ranges it advances and their
-    orthogonalization inputs (Nesterov: ``g + mu * buf``), keyed by range. The inputs of
-    ranges a later chunk sends again go into ``kept``."""
-    with record_function("muon/momentum"):
-        states = step.shard_states.fetch(msg)
-        bufs = states[MOMENTUM]
-        grads = [step.masters[p].grad[s:e] for p, s, e in msg.momentum]
-        if bufs:
-            torch._foreach_mul_(bufs, step.momentum)
-            torch._foreach_add_(bufs, grads)
-        inputs = torch._foreach_add(grads, bufs, alpha=step.momentum) if step.nesterov and bufs else bufs
-        current = dict(zip(msg.momentum, inputs))
-        kept.update({piece: current[piece].clone() for piece in msg.kept})
-    return current
+class PendingStep:
+    """``muon_step_overlap='forward'``: what a taken step has not run yet, finished before
+    each unit of the parameter sync (module docstring).
+
+    Where the chunks run: by default (and always on the CPU) before the unit's sync, on the
+    forward's own stream, so what hides is their communication, the wait for it and the
+    host's time launching their kernels. On CUDA with ``muon_step_overlap_side_stream``, on
+    a side stream: :meth:`run` queues every unit's chunks, QK-Clip and copy there as
+    ``step()`` returns, unit by unit in the order the last forward synced them, each unit
+    ending in an event, and :meth:`before_sync` only makes the forward's stream wait for it.
+    The side stream first waits for everything ``step()`` queued, and the tensors ``step()``
+    made that it reads are marked with ``record_stream``."""
+
+    def __init__(self, optimizers: Sequence[Any], stream: Optional[Any] = None) -> None:
+        self.optimizers = list(optimizers)
+        self.stream = stream
+        """The side stream the pending step is queued on as ``step()`` returns (CUDA), or None."""
+        self.chunk_params: List[List[FrozenSet[int]]] = [
+            [frozenset(id(opt.plan.params[job.param_index].param) for job in chunk.jobs) for chunk in opt.plan.chunks]
+            for opt in self.optimizers
+        ]
+        """Per optimizer, per chunk of its plan: the ids of the parameters its matrices are of."""
+        self.units: List[Tuple[int, Any, FrozenSet[int]]] = []
+        """(optimizer position, unit, its parameter ids), in the same order on every rank."""
+        for position, opt in enumerate(self.optimizers):
+            for unit, params in opt.storage.param_sync_units():
+                opt.storage.hook_param_sync(unit, self, len(self.units))
+                self.units.append((position, unit, params))
+        self.work: Optional[StepWork] = None
+        """The pending step."""
+        self.clips: Dict[int, Clip] = {}
+        """Parameter id -> QK-Clip's factors still to scale its master by."""
+        self.unsynced: Set[int] = set()
+        """Units the parameter sync has not reached since the step."""
+        self.events: Dict[int, Any] = {}
+        """With a side stream: unit -> the event after its queued work."""
+        self.order: List[int] = list(range(len(self.units)))
+        """The order the side stream runs the units in: the last forward's (the same on every
+        rank, since every rank runs the same forward); the units' own order before one."""
+        self.synced: List[int] = []
+        """Units in the order the parameter sync reached them since the step."""
+
+    @property
+    def active(self) -> bool:
+        return bool(self.unsynced)
+
+    @property
+    def chunks_left(self) -> int:
+        """Chunks of the pending step not run yet."""
+        return sum(len(r) for r in self.work.remaining) if self.work is not None else 0
+
+    def run(self, work: StepWork, clips: Sequence[Clip]) -> None:
+        """In ``step()``: every chunk's first stage (afterwards no chunk reads a gradient);
+        the rest is left pending (with a side stream: queued there now)."""
+        if self.active:
+            raise RuntimeError("PendingStep: the previous step is still pending; finish_all() it first.")
+        for position in range(len(work.pipelines)):
+            work.run(position, momentum_only=True)
+        self.work = work
+        self.clips = {id(param): (shard_map, param, factors) for shard_map, param, factors in clips}
+        self.unsynced = set(range(len(self.units)))
+        if self.synced:
+            self.order = self.synced + [i for i in range(len(self.units)) if i not in self.synced]
+        self.synced = []
+        if self.stream is not None:
+            made = [*work.made, *(t for kept in work.kept for t in kept.values()), *(f for _, _, f in clips)]
+            self._queue_on_side_stream(made)
+
+    @torch.no_grad()
+    def _queue_on_side_stream(self, made_on_main: Sequence[torch.Tensor]) -> None:
+        device = _device_module(self.stream)
+        self.stream.wait_stream(device.current_stream())
+        if isinstance(self.stream, torch.cuda.Stream):
+            for tensor in made_on_main:
+                tensor.record_stream(self.stream)
+        with device.stream(self.stream):
+            for index in self.order:
+                self._run(index)
+                self.events[index] = self.stream.record_event()
+
+    @torch.no_grad()
+    def before_sync(self, index: int) -> None:
+        """Unit ``index`` is about to sync (the storage backend's hook): run what its
+        parameters still wait for (with a side stream: wait for it)."""
+        if index not in self.unsynced:
+            return
+        self.unsynced.discard(index)
+        self.synced.append(index)
+        if self.stream is not None:
+            _device_module(self.stream).current_stream().wait_event(self.events.pop(index))
+        else:
+            self._run(index)
+
+    @torch.no_grad()
+    def finish_all(self) -> None:
+        """Run everything still pending, in the order :class:`RunNow` runs it (every chunk
+        of each optimizer in plan order), then each unit's QK-Clip and copy; with a side
+        stream, wait for every unit still unwaited."""
+        if self.stream is None and self.work is not None:
+            for position, remaining in enumerate(self.work.remaining):
+                if remaining:
+                    self.work.run(position)
+        for index in sorted(self.unsynced):  # not the forward's order: not learned
+            self.unsynced.discard(index)
+            if self.stream is not None:
+                _device_module(self.stream).current_stream().wait_event(self.events.pop(index))
+            else:
+                self._run(index)
+
+    def _run(self, index: int) -> None:
+        """The unit's pending chunks (plan order), QK-Clip on its masters, their copy into
+        the model's parameters."""
+        position, _, params = self.units[index]
+        ready = [i for i in self.work.remaining[position] if self.chunk_params[position][i] & params]
+        if ready:
+            self.work.run(position, ready)
+        clipped = [self.clips.pop(p) for p in params if p in self.clips]
+        if clipped:
+            with record_function("muon/qk_clip"):
+                for shard_map, param, factors in clipped:
+                    scale_master_rows_(shard_map, param, factors)
+        with record_function("muon/copy_to_model"):
+            self.optimizers[position].storage.copy_masters_to_model(params)
 
 
-def chunk_exchange(
-    step: MuonStep,
-    msg: ChunkMessages,
-    current: Dict[Piece, torch.Tensor],
-    lr_wd: Sequence[Tuple[float, float]],
-    kept: Dict[Piece, torch.Tensor],
-) -> Iterator[None]:
-    """Stages 2-5 of a chunk, from its orthogonalization inputs (:func:`advance_momentum`)
-    to the updated masters; yields while each all-to-all travels."""
-    # 2. Gather: every piece to the owner of its matrix.
-    with record_function("muon/gather"):
-        send = pack(
-            [current[piece] if piece in current else kept[piece] for piece in msg.gather_send],
-            step.comm_dtype,
-            step.device,
+def side_stream(config: Any, device: Optional[torch.device]) -> Optional[torch.cuda.Stream]:
+    """The stream a pending step is queued on: a new CUDA stream on ``device`` with
+    ``muon_step_overlap_side_stream``, else None (the hooks run it)."""
+    if config.muon_step_overlap_side_stream and device is not None and device.type == "cuda":
+        return torch.cuda.Stream(device=device)
+    return None
+
+
+def _device_module(stream: Any) -> Any:
+    """``torch.cuda`` for a CUDA stream, ``torch.cpu`` (whose streams order nothing) else."""
+    return torch.cuda if isinstance(stream, torch.cuda.Stream) else torch.cpu
+
+
+def step_overlap_mode(config: Any, model_chunks: Sequence[torch.nn.Module], storage: Any) -> str:
+    """``config.muon_step_overlap`` resolved for these chunks ('none' or 'forward'); 'forward'
+    asked where it cannot run raises, naming the reason and the fix."""
+    return step_overlap_for(config, [chunk.ddp_config for chunk in model_chunks], storage)
+
+
+def step_overlap_for(config: Any, ddp_settings: Sequence[Any], storage: Any) -> str:
+    """:func:`step_overlap_mode` from DDP settings alone (each chunk's ``ddp_config``, or
+    Megatron-LM's arguments, which carry the same names): what a run will choose, known
+    before its model is built."""
+    refusal: Optional[str] = storage.step_overlap_refusal(ddp_settings)
+    if config.muon_step_overlap == "auto":
+        return "none" if refusal is not None or config.muon_cpu_offload else "forward"
+    if config.muon_step_overlap == "forward" and refusal is not None:
+        raise ValueError(
+            f"get_muon_optimizer: muon_step_overlap='forward' cannot run here: {refusal}. Set "
+            "muon_step_overlap='none' (--muon-step-overlap none), or 'auto' to overlap wherever it can."
         )
-        step.shard_states.release(msg)
-        recv, work = exchange(step.group, send, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote)
-    yield
-
-    # 3. Newton–Schulz of the owned matrices, times their update scales, written into the
-    #    scatter's send buffer.
-    with record_function("muon/gather"):
-        if work is not None:
-            work.wait()
-    with record_function("muon/newton_schulz"):
-        send = orthogonalize(step, msg, recv)
-
-    # 4. Scatter: every piece of every update to the rank holding it.
-    with record_function("muon/scatter"):
-        recv, work = exchange(step.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
-    yield
-
-    # 5. Decoupled weight decay and the update, on the fp32 master ranges.
-    with record_function("muon/scatter"):
-        if work is not None:
-            work.wait()
-    with record_function("muon/update"):
-        apply_updates(step, msg, recv, lr_wd)
+    return config.muon_step_overlap
 
 
-def apply_updates(step: MuonStep, msg: ChunkMessages, recv: torch.Tensor, lr_wd: Sequence[Tuple[float, float]]) -> None:
-    """:func:`decay_and_update_` of every received piece into its fp32 master range; the
-    pieces of one (learning rate, weight decay) as one ``_foreach`` op each (cautious weight
-    decay: piece by piece). CPU-offloaded masters get the chunk's updates in one copy to
-    pinned host memory. The update stays in the wire dtype: the ops promote it to fp32
-    (exactly) as they read it, which saves an fp32 copy."""
-    groups: Dict[Tuple[float, float], Tuple[List[torch.Tensor], List[torch.Tensor]]] = defaultdict(lambda: ([], []))
-    host = None
-    for p, s, e, offset in msg.scatter_apply:
-        master = step.masters[p][s:e]
-        if master.device != recv.device and host is None:  # CPU-offloaded masters
-            host = step.offloaded_masters.updates_to_host(recv) if step.offloaded_masters else recv.cpu()
-        update = (recv if master.device == recv.device else host)[offset : offset + e - s]
-        if step.cautious:
-            decay_and_update_(master, update, *lr_wd[p], step.cautious)
-        else:
-            groups[lr_wd[p]][0].append(master)
-            groups[lr_wd[p]][1].append(update)
-    for (lr, wd), (masters, updates) in groups.items():
-        if wd != 0.0:
-            torch._foreach_mul_(masters, 1.0 - lr * wd)
-        torch._foreach_add_(masters, updates, alpha=-lr)
-
-
-def decay_and_update_(master: torch.Tensor, update: torch.Tensor, lr: float, wd: float, cautious: bool) -> None:
-    """``w -= lr * wd * w`` (cautious: only where ``update * w >= 0``, ``w`` before the
-    step), then ``w -= lr * update``, in place on a range of an fp32 master (``update`` on
-    its device)."""
-    if wd != 0.0:
-        if cautious:
-            master.sub_(master * ((update * master) >= 0), alpha=lr * wd)
-        else:
-            master.mul_(1.0 - lr * wd)
-    master.add_(update, alpha=-lr)
-
-
-def pack(pieces: Sequence[torch.Tensor], dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
-    """The pieces, flat and concatenated, in the wire dtype (converted as they are copied:
-    one pass, not a concatenation and then a cast)."""
-    if not pieces:
-        return torch.empty(0, dtype=dtype, device=device)
-    out = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device)
-    return torch.cat([p.reshape(-1) for p in pieces], out=out)
+# ---------------------------------------------------------------------------------------
+# Moving pieces by the plan's messages
+# ---------------------------------------------------------------------------------------
 
 
 def exchange(
-    group: OrthoGroup, send: torch.Tensor, send_splits: List[int], recv_splits: List[int], remote: bool
+    group: OrthoGroup,
+    send: Union[torch.Tensor, Sequence[torch.Tensor]],
+    send_splits: List[int],
+    recv_splits: List[int],
+    remote: bool,
+    dtype: Optional[torch.dtype] = None,
+    device: Optional[torch.device] = None,
 ) -> Tuple[torch.Tensor, Optional[dist.Work]]:
     """Start one ``all_to_all_single`` over the group; returns the receive buffer and the
     handle to wait on (None where nothing crosses ranks: the pieces stay, in the order they
-    would arrive in)."""
+    would arrive in). ``send``: the packed buffer, or the pieces to pack, flat and
+    concatenated, in ``dtype`` (converted as they are copied: one pass, not a concatenation
+    and then a cast; ``device``: where an empty one goes)."""
+    if not torch.is_tensor(send):
+        pieces = send
+        send = torch.empty(sum(p.numel() for p in pieces), dtype=dtype, device=pieces[0].device if pieces else device)
+        if pieces:
+            torch.cat([p.reshape(-1) for p in pieces], out=send)
     if group.size == 1 or not remote:
         return send, None
     recv = torch.empty(sum(recv_splits), dtype=send.dtype, device=send.device)
@@ -266,136 +548,32 @@ def assemble(msg: ChunkMessages, recv: torch.Tensor, skip: frozenset = frozenset
     return out
 
 
-def orthogonalize(step: MuonStep, msg: ChunkMessages, recv: torch.Tensor) -> torch.Tensor:
-    """The scatter's send buffer of a chunk: every owned job's update (its matrices
-    orthogonalized, then :func:`finish_update`), cut into the holders' pieces.
-
-    Multi-rank jobs go first, with their ranks, in job order on every member. The others
-    are stacked by shape (``msg.stacks``), one batched Newton–Schulz per stack; a stack the
-    plan lays out contiguously is read in place from ``recv`` and its scaled update written
-    in place into the send buffer (no copy beyond Newton–Schulz's own), the others are
-    assembled from their pieces and cut back into them."""
-    send = torch.empty(sum(msg.scatter_send_splits), dtype=step.comm_dtype, device=recv.device)
-    in_place = frozenset().union(*(stack.positions for stack in msg.stacks if stack.received))
-    matrices = assemble(msg, recv, skip=in_place)
-    outputs: List[List[Optional[torch.Tensor]]] = [[None] * job.matrix.column_groups for job in msg.owned]
-    position = {job.index: i for i, job in enumerate(msg.owned)}
-    me = step.group.rank
-    for job in msg.jobs:
-        if me not in job.ns_ranks:
-            continue
-        members = tuple(sorted(job.ns_ranks))
-        i = position.get(job.index)
-        for k in range(job.matrix.column_groups):
-            G = matrices[i][k] if i is not None else None
-            ortho = multirank_newton_schulz(
-                G,
-                job.matrix.ns_shape,
-                step.subgroups[members],
-                members,
-                job.ns_ranks[0],
-                step.schedule,
-                step.ns_dtype,
-                step.device,
-            )
-            if i is not None:
-                outputs[i][k] = finish_update(step, [(job, k)], ortho.unsqueeze(0))[0]
-    written = set()
-    for stack in msg.stacks:
-        if stack.received:
-            start, end = stack.received
-            G = recv[start:end].view(len(stack.members), *stack.shape)
-        else:
-            G = torch.stack([matrices[i][k] for i, k in stack.members])
-        ortho = newton_schulz(
-            G,
-            step.ns_steps,
-            step.coefficients,
-            step.ns_dtype,
-            compiled=step.compiled,
-            method=step.ns_method,
-            keep_compute_dtype=True,
-        )
-        members = [(msg.owned[i], k) for i, k in stack.members]
-        if stack.sent:
-            start, end = stack.sent
-            finish_update(step, members, ortho, out=send[start:end].view(len(stack.members), *stack.shape))
-            written |= stack.positions
-        else:
-            update = finish_update(step, members, ortho)
-            for row, (i, k) in enumerate(stack.members):
-                outputs[i][k] = update[row]
-    if len(written) < len(msg.owned):
-        cut_pieces(msg, outputs, send, written)
-    return send
-
-
-def finish_update(
-    step: MuonStep, members: Sequence[Tuple[Job, int]], ortho: torch.Tensor, out: Optional[torch.Tensor] = None
-) -> torch.Tensor:
-    """A stack of orthogonalized matrices (``members[i]`` = (job, column group) of
-    ``ortho[i]``, storage orientation, in Newton–Schulz's compute dtype): variance
-    reduction if on, times each job's scale, computed in fp32 and stored into ``out`` (the
-    wire dtype: one rounding, as if the fp32 result were packed) or a new fp32 stack."""
-    if step.variance_reduction is not None:
-        ortho = variance_reduce(step.owner_states, members, ortho, step.variance_reduction)
-    scales = step.scale_tensor(tuple(step.scales[job.index] for job, _ in members), ortho.device)
-    if out is None:
-        out = torch.empty(ortho.shape, dtype=torch.float32, device=ortho.device)
-    torch.mul(ortho, scales, out=out)
-    if step.measure_updates:
-        norms = torch.linalg.vector_norm(ortho, dim=(-2, -1), dtype=torch.float32)
-        square_sum = (norms.square() * scales.view(-1).square()).sum()
-        step.update_square_sum = square_sum if step.update_square_sum is None else step.update_square_sum + square_sum
-        step.update_numel += ortho.numel()
-    return out
-
-
-def variance_reduce(
-    states: OwnerStates, members: Sequence[Tuple[Job, int]], ortho: torch.Tensor, beta2: float
-) -> torch.Tensor:
-    """:func:`variance_reduction_` of every matrix of the stack in its logical orientation,
-    each with its own second moment (``states``, updated); fp32."""
-    out = torch.empty_like(ortho, dtype=torch.float32)
-    for transposed in (False, True):
-        rows = [i for i, (job, _) in enumerate(members) if job.matrix.transposed == transposed]
-        if not rows:
-            continue
-        moments = torch.stack([states.get(SECOND_MOMENT, *members[i]) for i in rows]).to(ortho.device)
-        stack = ortho[rows].mT if transposed else ortho[rows]
-        reduced = variance_reduction_(stack, moments, beta2)
-        out[rows] = reduced.mT if transposed else reduced
-        for i, moment in zip(rows, moments):
-            states.get(SECOND_MOMENT, *members[i]).copy_(moment)
-    return out
-
-
-def variance_reduction_(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: float) -> torch.Tensor:
-    """nanochat's variance reduction of a ``[B, out, in]`` stack of orthogonalized updates
-    (logical orientation). ``second_moment`` (``[B, out, 1]`` or ``[B, 1, in]``, fp32) is
-    updated in place; returns the rescaled updates (fp32).
-
-    ``v`` = mean of squares over the reduced dim (the input dim of a tall or square matrix,
-    the output dim of a wide one); ``s <- beta2 * s + (1 - beta2) * v``; the update
-    ``O * rsqrt(max(s, 1e-10))`` is rescaled so that its Frobenius norm is ``O``'s."""
-    o = ortho.float()
-    dim = -1 if o.shape[-2] >= o.shape[-1] else -2
-    n = o.shape[dim]
-    v_mean = o.square().mean(dim=dim, keepdim=True)
-    norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * n).sqrt()
-    second_moment.lerp_(v_mean, 1.0 - beta2)
-    scale = second_moment.clamp_min(1e-10).rsqrt()
-    new_norm = ((v_mean * n) * scale.square()).sum(dim=(-2, -1), keepdim=True).sqrt()
-    return o * (scale * (norm / new_norm.clamp_min(1e-10)))
-
-
 def cut_pieces(
     msg: ChunkMessages, updates: List[List[Optional[torch.Tensor]]], send: torch.Tensor, written: Collection[int] = ()
 ) -> None:
     """The owned jobs' updates cut into the pieces ``msg.scatter_send`` lists and packed
     (cast to the wire dtype) into their places in ``send``, each run of consecutive pieces
     as one copy; the jobs at the owned positions in ``written`` are there already."""
-    flat = [_tp_pieces(job, out) if i not in written else None for i, (job, out) in enumerate(zip(msg.owned, updates))]
+    flat: List[Optional[Dict[int, torch.Tensor]]] = []  # per owned job: each destination TP rank's flat piece
+    for i, (job, outs) in enumerate(zip(msg.owned, updates)):
+        m = job.matrix
+        dest_tps = sorted({s.tp for s in job.dests})
+        if i in written:
+            flat.append(None)
+        elif m.replicated or len(m.pieces) == 1:
+            whole = torch.cat(outs, dim=1).reshape(-1) if len(outs) > 1 else outs[0].reshape(-1)
+            flat.append({t: whole for t in dest_tps})
+        else:
+            order = [t for t, _ in m.pieces]
+            per_group = [out.split(m.piece_extents(), dim=m.tp_dim) for out in outs]
+            flat.append(
+                {
+                    t: torch.cat([g[order.index(t)] for g in per_group], dim=1).reshape(-1)
+                    if len(outs) > 1
+                    else per_group[0][order.index(t)].contiguous().view(-1)
+                    for t in dest_tps
+                }
+            )
     run: List[torch.Tensor] = []
     start = offset = 0
     for j, tp, o, n in msg.scatter_send:
@@ -410,106 +588,43 @@ def cut_pieces(
         torch.cat(run, out=send[start:offset])
 
 
-def _tp_pieces(job: Job, outs: List[torch.Tensor]) -> Dict[int, torch.Tensor]:
-    """A job's results cut back into each destination TP rank's flat piece."""
-    m = job.matrix
-    dest_tps = sorted({s.tp for s in job.dests})
-    if m.replicated or len(m.pieces) == 1:
-        flat = torch.cat(outs, dim=1).reshape(-1) if len(outs) > 1 else outs[0].reshape(-1)
-        return {t: flat for t in dest_tps}
-    order = [t for t, _ in m.pieces]
-    per_group = [out.split(m.piece_extents(), dim=m.tp_dim) for out in outs]
-    return {
-        t: torch.cat([g[order.index(t)] for g in per_group], dim=1).reshape(-1)
-        if len(outs) > 1
-        else per_group[0][order.index(t)].contiguous().view(-1)
-        for t in dest_tps
-    }
-
-
-# ---------------------------------------------------------------------------------------
-# The driver
-# ---------------------------------------------------------------------------------------
-
-
-def drive(chunks: Sequence[Iterator[None]], max_inflight: int, overlapped: Sequence[Iterator[None]] = ()) -> None:
-    """Run chunk generators to completion, overlapped.
-
-    Each generator is advanced three times: to its gather in flight, to its scatter in
-    flight, to the end. Up to ``max_inflight`` gathers are launched ahead of the chunk
-    being completed, and each chunk's scatter travels while the next chunk computes. The
-    ``overlapped`` chunks (another optimizer's) run whole, one ``drive`` of their own, once
-    the first gathers are in flight and before any is waited for."""
-    gathers: deque = deque()
-    scatters: deque = deque()
-    pending = iter(chunks)
-
-    def launch_next() -> None:
-        chunk = next(pending, None)
-        if chunk is not None:
-            next(chunk)
-            gathers.append(chunk)
-
-    for _ in range(max_inflight):
-        launch_next()
-    if overlapped:
-        drive(overlapped, max_inflight)
-    while gathers:
-        chunk = gathers.popleft()
-        launch_next()
-        next(chunk)
-        scatters.append(chunk)
-        if len(scatters) > 1:
-            _finish(scatters.popleft())
-    while scatters:
-        _finish(scatters.popleft())
-
-
-def _finish(chunk: Iterator[None]) -> None:
-    for _ in chunk:  # the last stage runs to the generator's end
-        raise RuntimeError("a chunk generator yielded more than twice")
-
-
-# ---------------------------------------------------------------------------------------
-# Whole matrices outside the step (checkpoints of owner-kept states)
-# ---------------------------------------------------------------------------------------
-
-
 def gather_matrices(
-    step: MuonStep, inputs: Sequence[Optional[torch.Tensor]]
+    pipeline: MuonPipeline, inputs: Sequence[Optional[torch.Tensor]]
 ) -> Iterator[Tuple[Job, List[torch.Tensor]]]:
-    """Collective: every holder's pieces of ``inputs`` (shaped like the masters) travel to
-    the owners as in the step's gather, in fp32, chunk by chunk; yields every owned
-    ``(job, matrices)`` (storage orientation)."""
-    for msg in step.messages:
-        send = pack([inputs[p][s:e] for p, s, e in msg.gather_send], torch.float32, step.device)
-        recv, work = exchange(step.group, send, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote)
+    """Collective, outside the step (checkpoints of owner-kept states): every holder's
+    pieces of ``inputs`` (shaped like the masters) travel to the owners as in the step's
+    gather, in fp32, chunk by chunk; yields every owned ``(job, matrices)`` (storage
+    orientation)."""
+    for msg in pipeline.messages:
+        pieces = [inputs[p][s:e] for p, s, e in msg.gather_send]
+        recv, work = exchange(
+            pipeline.group, pieces, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote,
+            torch.float32, pipeline.device,
+        )  # fmt: skip
         if work is not None:
             work.wait()
         yield from zip(msg.owned, assemble(msg, recv))
 
 
 def scatter_matrices(
-    step: MuonStep, msg: ChunkMessages, outputs: List[List[torch.Tensor]]
+    pipeline: MuonPipeline, msg: ChunkMessages, outputs: List[List[torch.Tensor]]
 ) -> List[Tuple[Piece, torch.Tensor]]:
     """Collective, the reverse of :func:`gather_matrices` for one chunk: the owned jobs'
     ``outputs`` (fp32, storage orientation) cut to the holders; returns this rank's pieces."""
-    send = torch.empty(sum(msg.scatter_send_splits), dtype=torch.float32, device=step.device)
+    send = torch.empty(sum(msg.scatter_send_splits), dtype=torch.float32, device=pipeline.device)
     cut_pieces(msg, outputs, send)
-    recv, work = exchange(step.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
+    recv, work = exchange(pipeline.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
     if work is not None:
         work.wait()
     return [((p, s, e), recv[offset : offset + e - s]) for p, s, e, offset in msg.scatter_apply]
 
 
 __all__ = [
-    "MuonStep",
-    "advance_momentum",
-    "chunk_exchange",
-    "chunk_update",
-    "decay_and_update_",
-    "drive",
+    "MuonPipeline",
+    "PendingStep",
+    "RunNow",
+    "StepWork",
     "gather_matrices",
     "scatter_matrices",
-    "variance_reduction_",
+    "step_overlap_mode",
 ]

@@ -377,6 +377,11 @@ class ChunkMessages:
     scatter_recv_splits: List[int] = field(default_factory=list)
     scatter_apply: List[Tuple[int, int, int, int]] = field(default_factory=list)
     """(param index, start, end, receive offset): where each received update piece lands."""
+    scatter_matrices: List[Tuple[int, bool]] = field(default_factory=list)
+    """Per piece of ``scatter_apply``: (position of its job in ``jobs``, whether the piece is
+    the matrix's own elements and not a copy of them: a matrix every tensor-parallel rank
+    holds whole is read from TP rank 0 and written to every copy). What a rule needs that
+    reduces over the holders of each matrix (Hyperball's weight norm)."""
     stacks: List[Stack] = field(default_factory=list)
     """The owned single-rank jobs' matrices grouped by shape (:func:`stacks`)."""
     gather_remote: bool = False
@@ -406,7 +411,8 @@ def rank_messages(plan: Plan, local_starts: Sequence[int], sizes: Sequence[Optio
         recv: List[list] = [[] for _ in range(g.size)]
         out_: List[list] = [[] for _ in range(g.size)]
         back: List[list] = [[] for _ in range(g.size)]
-        for job in chunk.jobs:
+        for job_pos, job in enumerate(chunk.jobs):
+            source_tps = {seg.tp for seg in job.sources}
             for seg in job.sources:
                 holder = g.rank_of(seg.tp, seg.dp)
                 msg.gather_remote |= holder != job.owner
@@ -420,7 +426,7 @@ def rank_messages(plan: Plan, local_starts: Sequence[int], sizes: Sequence[Optio
                 if job.owner == me:
                     out_[holder].append((pos[job.index], seg.tp, seg.piece_offset, seg.numel))
                 if holder == me:
-                    back[job.owner].append(local(job, seg))
+                    back[job.owner].append((local(job, seg), (job_pos, seg.tp in source_tps)))
         msg.gather_send = [item for items in send for item in items]
         msg.gather_send_splits = [sum(e - s for _, s, e in items) for items in send]
         offset = 0
@@ -433,10 +439,11 @@ def rank_messages(plan: Plan, local_starts: Sequence[int], sizes: Sequence[Optio
         msg.scatter_send_splits = [sum(item[3] for item in items) for items in out_]
         offset = 0
         for items in back:
-            for param_index, start, end in items:
+            for (param_index, start, end), matrix in items:
                 msg.scatter_apply.append((param_index, start, end, offset))
+                msg.scatter_matrices.append(matrix)
                 offset += end - start
-        msg.scatter_recv_splits = [sum(e - s for _, s, e in items) for items in back]
+        msg.scatter_recv_splits = [sum(e - s for (_, s, e), _ in items) for items in back]
         msg.stacks = stacks(msg)
         out.append(msg)
     _assign_momentum(out, sizes)

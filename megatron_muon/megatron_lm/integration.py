@@ -147,7 +147,7 @@ def record_effective_settings(args: argparse.Namespace, config: MuonConfig) -> N
     there, not the value our optimizer uses), and ``muon_step_overlap`` as 'auto' resolves
     it ('forward' or 'none'; the optimizer decides the same from the DDP settings these
     arguments make)."""
-    from megatron_muon.step_overlap import step_overlap_for
+    from megatron_muon.pipeline import step_overlap_for
 
     kinds = set(muon_args.non_cli_fields())
     for f in muon_args.muon_fields():

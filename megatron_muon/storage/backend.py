@@ -10,12 +10,11 @@ builds the optimizer:
 * before the optimizer: refusing what the engine cannot do (:meth:`check`), preparing the
   chunks (:meth:`prepare`), whether the buffers are owner-aligned (:meth:`owner_aligned`);
 * building the shard map (the constructor);
-* gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`master_grads`,
-  :meth:`release_master_grads`);
+* gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`release_master_grads`);
 * masters -> model parameters (:meth:`copy_masters_to_model`) and the parameter sync
   (:meth:`start_param_sync`); with ``muon_step_overlap='forward'``, the units the sync
-  brings up to date one at a time and a hook before each (:meth:`param_sync_units`,
-  :meth:`before_param_sync`);
+  brings up to date one at a time, and before each the pending step's work on its
+  parameters (:meth:`param_sync_units`, :meth:`hook_param_sync`);
 * the checkpoint format it writes (:attr:`checkpoint_format`, :meth:`sharded_state_dict`,
   :meth:`load_state_dict`).
 
@@ -24,7 +23,7 @@ A new engine is one new module with a subclass, added to ``storage.ENGINES``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Collection, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +56,13 @@ class StorageBackend:
         return {}
 
     @classmethod
+    def chunk_buffers(cls, model_chunks: Sequence[torch.nn.Module], expert: bool) -> Dict[int, list]:
+        """Megatron's ``per_model_buffers`` argument of its ``DistributedOptimizer``: each
+        chunk's buffers of dense (or expert-parallel) parameters, by chunk index; none where
+        the engine keeps its own."""
+        return {}
+
+    @classmethod
     def owner_aligned(cls, config, model_chunks: Sequence[torch.nn.Module]) -> bool:
         """Whether each matrix lies whole in one DP rank's shard (``buffer_layout.py``)."""
         return False
@@ -83,12 +89,9 @@ class StorageBackend:
         master is the parameter's own storage)."""
         raise NotImplementedError
 
-    def copy_grads_to_masters(self) -> None:
-        """The reduced gradients into this rank's masters' ``.grad``."""
-        raise NotImplementedError
-
-    def master_grads(self) -> List[torch.Tensor]:
-        """Every master gradient this rank holds (to unscale and check for inf/NaN)."""
+    def copy_grads_to_masters(self) -> List[torch.Tensor]:
+        """The reduced gradients into this rank's masters' ``.grad``; returns every master
+        gradient this rank holds (to unscale and check for inf/NaN)."""
         raise NotImplementedError
 
     def release_master_grads(self) -> None:
@@ -103,14 +106,21 @@ class StorageBackend:
         """Bring every rank's parameters up to date after the update (or start to)."""
         raise NotImplementedError
 
+    def dispatch_param_sync(self) -> None:
+        """Start the first model chunk's parameter all-gather now, to overlap the rest of the
+        iteration (what Megatron's chain does with ``overlap_param_gather_with_optimizer_step``;
+        both engines' chunks take ``force_dispatch``)."""
+        self.opt.model_chunks[0].start_param_sync(force_dispatch=True)
+
     def param_sync_units(self) -> List[Tuple[Any, FrozenSet[int]]]:
         """The units the parameter sync brings up to date one at a time, each with the ids
         of its parameters, in the same order on every rank."""
         raise NotImplementedError
 
-    def before_param_sync(self, unit: Any, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` before ``unit``'s parameters are synced, on every path that
-        syncs them (the next forward, evaluation, checkpointing)."""
+    def hook_param_sync(self, unit: Any, pending: Any, index: int) -> None:
+        """Have ``pending.before_sync(index)`` (``pipeline.PendingStep``) run before
+        ``unit``'s parameters are synced, on every path that syncs them (the next forward,
+        evaluation, checkpointing)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoints

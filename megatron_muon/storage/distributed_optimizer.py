@@ -26,6 +26,22 @@ from .backend import StorageBackend
 logger = logging.getLogger(__name__)
 
 
+class PendingStepFirst:
+    """A DDP bucket group's ``start_param_sync`` under ``muon_step_overlap='forward'``: the
+    pending step's work on the group's parameters first (``pipeline.PendingStep.before_sync``:
+    their chunks, QK-Clip's scaling, the master -> model copy), then Megatron's own
+    ``start_param_sync`` (the group's all-gather)."""
+
+    def __init__(self, megatron_start_param_sync: Callable[..., Any], pending: Any, index: int) -> None:
+        self.megatron_start_param_sync = megatron_start_param_sync
+        self.pending = pending
+        self.index = index
+
+    def __call__(self, force_sync: bool = False) -> Any:
+        self.pending.before_sync(self.index)
+        return self.megatron_start_param_sync(force_sync=force_sync)
+
+
 class DistributedOptimizerStorage(StorageBackend):
     """Megatron's DDP buffers and distributed-optimizer masters (``--use-distributed-optimizer``)."""
 
@@ -56,6 +72,15 @@ class DistributedOptimizerStorage(StorageBackend):
                 raise NotImplementedError(
                     "get_muon_optimizer: num_distributed_optimizer_instances > 1 is not supported yet."
                 )
+
+    @classmethod
+    def chunk_buffers(cls, model_chunks: Sequence[torch.nn.Module], expert: bool) -> Dict[int, list]:
+        """Each DDP chunk's ``buffers`` (``expert_parallel_buffers``), as Megatron's
+        ``get_megatron_optimizer`` hands them to its ``DistributedOptimizer``."""
+        buffers = (
+            (i, chunk.expert_parallel_buffers if expert else chunk.buffers) for i, chunk in enumerate(model_chunks)
+        )
+        return {i: b for i, b in buffers if b}
 
     @classmethod
     def owner_aligned(cls, config, model_chunks: Sequence[torch.nn.Module]) -> bool:
@@ -114,14 +139,12 @@ class DistributedOptimizerStorage(StorageBackend):
         masters = (self.shard_map.master(mp.param) for mp in self.opt.muon_params)
         return [m for m in masters if m is not None and id(m) in float16]
 
-    def copy_grads_to_masters(self) -> None:
+    def copy_grads_to_masters(self) -> List[torch.Tensor]:
         """Megatron's copy; the CPU-offloaded masters take their gradients through their
         device placeholders."""
         offload = self.opt.masters_offload
         with offload.grads_assignable() if offload is not None else contextlib.nullcontext():
             DistributedOptimizer._copy_model_grads_to_main_grads(self.opt)
-
-    def master_grads(self) -> List[torch.Tensor]:
         return DistributedOptimizer._collect_main_grad_data_for_unscaling(self.opt)
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
@@ -184,19 +207,14 @@ class DistributedOptimizerStorage(StorageBackend):
         """DDP's bucket groups of this optimizer's buffers."""
         return [(group, frozenset(id(p) for p in group.params)) for _, group in self.own_bucket_groups()]
 
-    def before_param_sync(self, unit: Any, callback: Callable[[], None]) -> None:
+    def hook_param_sync(self, unit: Any, pending: Any, index: int) -> None:
         """Every all-gather of a bucket group starts in its ``start_param_sync`` (DDP's
         forward pre-hook and its prefetch of the next group, the pipeline schedules'
-        ``param_sync_func``, the forced syncs before evaluation and checkpoints): run
-        ``callback`` first. Installed once per bucket group; a later optimizer's replaces it."""
-        megatron_start = getattr(unit, "_megatron_start_param_sync", None) or unit.start_param_sync
-        unit._megatron_start_param_sync = megatron_start
-
-        def start_param_sync(force_sync: bool = False):
-            callback()
-            return megatron_start(force_sync=force_sync)
-
-        unit.start_param_sync = start_param_sync
+        ``param_sync_func``, the forced syncs before evaluation and checkpoints): it becomes
+        a :class:`PendingStepFirst` (a later optimizer's replaces an earlier one's)."""
+        current = unit.start_param_sync
+        megatron_start = current.megatron_start_param_sync if isinstance(current, PendingStepFirst) else current
+        unit.start_param_sync = PendingStepFirst(megatron_start, pending, index)
 
     def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
         return optimizer_sharded_state(chain, model_sharded_state_dict, is_loading)

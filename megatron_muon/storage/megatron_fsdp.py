@@ -245,15 +245,13 @@ class MegatronFSDPStorage(StorageBackend):
         float16 = (mp.param for mp in self.opt.muon_params if mp.param.orig_param.dtype != torch.float32)
         return [m for m in map(self.shard_map.master, float16) if m is not None]
 
-    def copy_grads_to_masters(self) -> None:
+    def copy_grads_to_masters(self) -> List[torch.Tensor]:
         """Megatron-FSDP has set each ``DTensor`` parameter's ``.grad`` to its gradient
         shard: a flat view of it becomes the master's."""
         for shard in self.shard_map:
             if shard.master is not None:
                 grad = shard.param.grad
                 shard.master.grad = local_flat(grad) if grad is not None else torch.zeros_like(shard.master)
-
-    def master_grads(self) -> List[torch.Tensor]:
         params = (p for g in self.opt.optimizer.param_groups for p in g["params"])
         return [local_flat(p.grad) for p in params if p.grad is not None]
 

@@ -3,7 +3,7 @@ all-to-all was in flight. For tests and the overlap benchmark; the step itself r
 nothing.
 
 :func:`trace_step` wraps, while active, the functions the optimizer's step looks up at
-call time (``optimizer.chunk_update``, ``pipeline.exchange``, ``pipeline.orthogonalize``)
+call time (``pipeline.StepWork.chunk``, ``pipeline.exchange``, ``pipeline.StepWork.orthogonalize``)
 and records, for each chunk generator of each optimizer (``dense``, ``expert``):
 
 * ``launch_gather`` (momentum, pack and the gather's launch: the generator's first part),
@@ -26,7 +26,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Tuple
 
-import megatron_muon.optimizer as optimizer_module
 import megatron_muon.pipeline as pipeline
 
 
@@ -51,19 +50,22 @@ def trace_step(optimizer) -> Iterator[Trace]:
     steps taken inside the block."""
     names = {id(o.muon): o.name for o in optimizer.muon_optimizers}
     trace = Trace()
-    originals = (optimizer_module.chunk_update, pipeline.exchange, pipeline.orthogonalize)
-    chunk_update, exchange, orthogonalize = originals
+    chunk, exchange, orthogonalize = pipeline.StepWork.chunk, pipeline.exchange, pipeline.StepWork.orthogonalize
     current: List[Tuple[str, int, str]] = []  # (optimizer, chunk, exchange kind) of the running generator
 
-    def traced_chunk_update(step, msg, *args) -> Iterator[None]:
-        name = names[id(step)]
-        stages = chunk_update(step, msg, *args)
+    def traced_chunk(work, position, msg) -> Iterator[None]:
+        name = names[id(work.pipelines[position])]
+        stages = chunk(work, position, msg)
+        start = trace.start(name, "launch_gather", msg.index)  # from the momentum on, as before
+        next(stages)
+        yield
         for first, then, kind in (
             ("launch_gather", None, "gather"),
             ("complete_gather", "launch_scatter", "scatter"),
             ("complete_scatter", "update", None),
         ):
-            start = trace.start(name, first, msg.index)
+            if first != "launch_gather":
+                start = trace.start(name, first, msg.index)
             current.append((name, msg.index, kind))
             try:
                 done = next(stages, StopIteration) is StopIteration
@@ -76,16 +78,16 @@ def trace_step(optimizer) -> Iterator[Trace]:
                 return
             yield
 
-    def traced_orthogonalize(step, msg, matrices):
-        start = trace.start(names[id(step)], "compute", msg.index)
+    def traced_orthogonalize(work, muon, msg, recv):
+        start = trace.start(names[id(muon)], "compute", msg.index)
         try:
-            return orthogonalize(step, msg, matrices)
+            return orthogonalize(work, muon, msg, recv)
         finally:
-            trace.end(names[id(step)], "compute", msg.index, start)
+            trace.end(names[id(muon)], "compute", msg.index, start)
 
-    def traced_exchange(group, send, send_splits, recv_splits, remote):
+    def traced_exchange(group, send, send_splits, recv_splits, remote, *packing):
         launched = time.perf_counter()
-        recv, work = exchange(group, send, send_splits, recv_splits, remote)
+        recv, work = exchange(group, send, send_splits, recv_splits, remote, *packing)
         name, chunk, kind = current[-1] if current else ("", -1, None)
         flight = dict(
             pipeline=name,
@@ -93,7 +95,7 @@ def trace_step(optimizer) -> Iterator[Trace]:
             kind=kind,
             launched=launched,
             completed=None,
-            bytes=(sum(send_splits) - send_splits[group.rank]) * send.element_size(),
+            bytes=(sum(send_splits) - send_splits[group.rank]) * recv.element_size(),
         )
         trace.flights.append(flight)
         if work is not None:
@@ -108,10 +110,10 @@ def trace_step(optimizer) -> Iterator[Trace]:
             flight["completed"] = launched
         return recv, work
 
-    optimizer_module.chunk_update = traced_chunk_update
-    pipeline.exchange, pipeline.orthogonalize = traced_exchange, traced_orthogonalize
+    pipeline.StepWork.chunk, pipeline.StepWork.orthogonalize = traced_chunk, traced_orthogonalize
+    pipeline.exchange = traced_exchange
     try:
         yield trace
     finally:
-        optimizer_module.chunk_update = chunk_update
-        pipeline.exchange, pipeline.orthogonalize = exchange, orthogonalize
+        pipeline.StepWork.chunk, pipeline.StepWork.orthogonalize = chunk, orthogonalize
+        pipeline.exchange = exchange

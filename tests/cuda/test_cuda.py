@@ -36,7 +36,7 @@ ITERATIONS = 8
 def test_newton_schulz_on_cuda_is_close_to_float64(shape):
     """Both methods, fp32 and bf16, eager and compiled, on the GPU: within the distances the
     CPU measured (docs/design.md, 'Newton–Schulz numerics'), with room for other kernels."""
-    from megatron_muon.newton_schulz import newton_schulz
+    from megatron_muon.rule import newton_schulz
 
     torch.manual_seed(0)
     G = torch.randn(*shape, device="cuda")

@@ -115,7 +115,8 @@ def _multirank_runs():
     import torch.distributed as dist
 
     from megatron_muon.multirank_newton_schulz import multirank_newton_schulz, multirank_traffic
-    from megatron_muon.newton_schulz import newton_schulz, resolve_coefficients
+    from megatron_muon.newton_schulz import resolve_coefficients
+    from megatron_muon.rule import newton_schulz
     from megatron_muon.process_groups import subgroup
     from megatron_muon.testing.traffic import count_collectives
 

@@ -59,7 +59,7 @@ def _tp_modes():
 @pytest.mark.timeout(300)
 def test_tp_modes():
     from megatron_muon.config import MuonConfig, update_scale
-    from megatron_muon.newton_schulz import newton_schulz
+    from megatron_muon.rule import newton_schulz
 
     cfg = MuonConfig(lr=1.0)
     ranks = run_distributed(_tp_modes, 2, tp=2)
@@ -315,7 +315,7 @@ def _ns_options_reach_the_kernel():
     """Train one step with compile and Gram on; record which kernels the step asked for.
     ``_compiled_kernel`` is replaced by a recorder returning the eager kernel, so this
     checks the wiring in seconds (the real compile is tested in test_newton_schulz.py)."""
-    from megatron_muon import newton_schulz as ns
+    from megatron_muon import rule as ns
 
     asked = []
 

@@ -64,9 +64,9 @@ def _train(spec_kwargs: dict, precision: str, mode: str, clip: float, lr: float)
         if mode == "forward":  # chunks pending; a bf16 model's parameters not yet touched (an
             # fp32 model's master shards are views of its parameters: they move as updated)
             untouched = precision == "fp32" or bool(torch.equal(before, _params(model)))
-            deferred.append(any(opt.pending.chunks) and untouched)
+            deferred.append(opt.pending.chunks_left > 0 and untouched)
         if mode == "side":  # queued whole, every unit waiting for the forward to wait for it
-            deferred.append(not any(opt.pending.chunks) and set(opt.pending.events) == opt.pending.unsynced != set())
+            deferred.append(opt.pending.chunks_left == 0 and set(opt.pending.events) == opt.pending.unsynced != set())
         losses.append(loss)
         norms.append(norm)
     order = list(opt.pending.order) if mode != "none" else None  # learned from the last forward
@@ -84,7 +84,7 @@ def _train(spec_kwargs: dict, precision: str, mode: str, clip: float, lr: float)
 def _finished_by_the_forward(model, opt, spec, tokens) -> int:
     """One more step, then a forward pass alone (no sync forced): how many bucket groups'
     syncs ran chunks (0 if anything stays pending)."""
-    from megatron_muon import step_overlap
+    from megatron_muon.pipeline import StepWork
 
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -92,12 +92,12 @@ def _finished_by_the_forward(model, opt, spec, tokens) -> int:
     M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
     assert opt.step()[0] and opt.pending.active
     drives = []
-    drive = step_overlap.drive
-    step_overlap.drive = lambda chunks, *a, **kw: (drives.append(len(chunks)), drive(chunks, *a, **kw))
+    run = StepWork.run
+    StepWork.run = lambda work, position, indices=None, **kw: (drives.append(indices), run(work, position, indices, **kw))
     try:
         M.forward_backward(model, tokens, MBS, spec, forward_only=True)
     finally:
-        step_overlap.drive = drive
+        StepWork.run = run
     return 0 if opt.pending.active else len(drives)
 
 

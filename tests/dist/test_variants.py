@@ -43,7 +43,7 @@ def nanochat_variance_reduction(g: torch.Tensor, buf: torch.Tensor, beta2: float
 @pytest.mark.parametrize("shape", [(6, 4), (4, 6), (5, 5)])
 def test_variance_reduction_matches_nanochat(shape):
     from megatron_muon.testing.reference import normuon
-    from megatron_muon.pipeline import variance_reduction_
+    from megatron_muon.rule import variance_reduction_
 
     torch.manual_seed(0)
     rows, cols = shape
@@ -63,7 +63,7 @@ def test_variance_reduction_matches_nanochat(shape):
 
 
 def test_cautious_decay_only_where_signs_agree():
-    from megatron_muon.pipeline import decay_and_update_
+    from megatron_muon.rule import decay_and_update_
 
     w = torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0])
     u = torch.tensor([0.5, 0.5, -0.5, -0.5, 0.5])

@@ -17,7 +17,7 @@ from tests.helpers.training import GBS, MBS, STEPS, build
 def train_recording_masks(spec_kwargs: dict, overrides: dict, steps: int = STEPS) -> dict:
     """In every rank: train with ``overrides`` (cautious weight decay on) and record, per
     step, the mask the step applied, as canonical pieces (-1 where this rank holds none)."""
-    import megatron_muon.pipeline as pipeline
+    import megatron_muon.rule as rule
 
     spec = M.TinyModelSpec(**spec_kwargs)
     chunks, model, opt, sched = build(spec, **overrides)
@@ -28,7 +28,7 @@ def train_recording_masks(spec_kwargs: dict, overrides: dict, steps: int = STEPS
         if s.master is not None and id(s.param) in o.muon_param_ids
     ]
     local: Dict[int, torch.Tensor] = {}
-    original = pipeline.decay_and_update_
+    original = rule.decay_and_update_
 
     def recording(master, update, lr, wd, cautious):
         if cautious:
@@ -41,7 +41,7 @@ def train_recording_masks(spec_kwargs: dict, overrides: dict, steps: int = STEPS
         return original(master, update, lr, wd, cautious)
 
     steps_out, losses = [], []
-    pipeline.decay_and_update_ = recording
+    rule.decay_and_update_ = recording
     try:
         for tokens in M.synthetic_batches(spec, GBS, steps):
             local.clear()
@@ -58,7 +58,7 @@ def train_recording_masks(spec_kwargs: dict, overrides: dict, steps: int = STEPS
                         pieces.setdefault(st.key, []).append(((tuple(st.global_shape), st.global_slice()), mask))
             steps_out.append(pieces)
     finally:
-        pipeline.decay_and_update_ = original
+        rule.decay_and_update_ = original
     return dict(losses=losses, state=M.gather_canonical_state(chunks), masks=steps_out)
 
 

@@ -1,4 +1,5 @@
-"""Tests of the Newton–Schulz kernel (``megatron_muon.newton_schulz``).
+"""Tests of the Newton–Schulz kernel (``megatron_muon.rule.newton_schulz``, its coefficient
+sets and costs in ``megatron_muon.newton_schulz``).
 
 Newton–Schulz maps each singular value ``s`` of the Frobenius-normalised input through the
 scalar composition ``p_k(...p_1(s))`` with ``p_i(s) = a_i s + b_i s^3 + c_i s^5`` and keeps
@@ -18,9 +19,9 @@ from megatron_muon.newton_schulz import (
     GRAM_MIN_ASPECT,
     CoefficientSet,
     choose_method,
-    newton_schulz,
     newton_schulz_flops,
 )
+from megatron_muon.rule import newton_schulz
 
 SHAPES = [(64, 64), (32, 96), (96, 32), (1, 50)]
 CONDS = [1e0, 1e2, 1e4, 1e6]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_muon.config import MuonConfig
-from megatron_muon.newton_schulz import newton_schulz
+from megatron_muon.rule import newton_schulz
 from megatron_muon.testing.reference import (
     ReferenceMuon,
     assert_partition,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_muon import pipeline
+from megatron_muon import rule
 from tools.bench import step_overhead
 
 
@@ -17,7 +17,7 @@ def test_ops_inside_newton_schulz_and_outside_are_counted_apart():
 
     def step():
         wire = G.to(torch.bfloat16)  # a cast: 1536 B read, 768 B written
-        ortho = pipeline.newton_schulz(wire, 2, "quintic", torch.float32)
+        ortho = rule.newton_schulz(wire, 2, "quintic", torch.float32)
         master.add_(ortho.reshape(-1), alpha=-0.1)  # arithmetic
         return float(master.sum())  # a host sync
 
@@ -33,7 +33,7 @@ def test_ops_inside_newton_schulz_and_outside_are_counted_apart():
 
 
 def test_counts_of_several_ranks_add_up():
-    one = step_overhead.count_ops(lambda: pipeline.newton_schulz(torch.randn(4, 4), 1))
+    one = step_overhead.count_ops(lambda: rule.newton_schulz(torch.randn(4, 4), 1))
     both = step_overhead.merge_counts([one, one])
     assert both["matrices"] == 2 and both["ranks"] == 2
     ns = both["by_kind"]["newton_schulz"]["arithmetic"]
@@ -41,6 +41,6 @@ def test_counts_of_several_ranks_add_up():
 
 
 def test_the_entry_points_are_restored():
-    before = pipeline.newton_schulz
+    before = rule.newton_schulz
     step_overhead.count_ops(lambda: None)
-    assert pipeline.newton_schulz is before
+    assert rule.newton_schulz is before

@@ -38,7 +38,7 @@ def test_the_chunks_choose_their_backend_and_a_mix_is_refused():
 def test_step_overlap_runs_only_where_the_engine_can_finish_a_bucket_group_alone():
     """'auto' picks 'forward' only under DDP with overlap_param_gather and unquantized
     parameter gathers; 'forward' asked elsewhere is refused, naming why."""
-    from megatron_muon.step_overlap import step_overlap_mode
+    from megatron_muon.pipeline import step_overlap_mode
 
     def ddp(**flags):
         config = dict(
@@ -63,9 +63,7 @@ def test_step_overlap_runs_only_where_the_engine_can_finish_a_bucket_group_alone
 ENGINE_NAMES = re.compile(r"fsdp|use_distributed_optimizer|param_and_grad_buffer|bucket", re.IGNORECASE)
 
 
-@pytest.mark.parametrize(
-    "module", ["optimizer.py", "factory.py", "pipeline.py", "planner.py", "state.py", "step_overlap.py"]
-)
+@pytest.mark.parametrize("module", ["optimizer.py", "factory.py", "pipeline.py", "planner.py", "state.py", "rule.py"])
 def test_only_the_storage_modules_know_the_engine(module):
     """The optimizer, the factory and the step name nothing of a data-parallel engine in
     their code (names, attributes, imports; prose aside): no branch on it can hide there, and

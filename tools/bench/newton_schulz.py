@@ -165,7 +165,7 @@ def implementations(device: str, compile_ours: bool) -> Dict[str, Tuple[Optional
     """name -> (function of the fp32 input, note); function None when unavailable."""
     import torch
 
-    from megatron_muon.newton_schulz import newton_schulz
+    from megatron_muon.rule import newton_schulz
 
     impls: Dict[str, Tuple[Optional[Callable], str]] = {
         "megatron_muon": (lambda g: newton_schulz(g, STEPS, "quintic", torch.bfloat16), "batched"),
@@ -228,7 +228,8 @@ def run(args: argparse.Namespace, progress: Optional[Callable[[Dict[str, Any]], 
     """Every shape's timings; ``progress`` gets the rows so far after each shape."""
     import torch
 
-    from megatron_muon.newton_schulz import newton_schulz, newton_schulz_flops
+    from megatron_muon.newton_schulz import newton_schulz_flops
+    from megatron_muon.rule import newton_schulz
 
     device = common.pick_device(args.device)
     if device == "cpu":
@@ -336,7 +337,8 @@ def gram_rows(rows: List[Dict[str, Any]], shapes, device: str, gen) -> List[Dict
     above), distance to fp32 standard NS on a gaussian and an ill-conditioned input."""
     import torch
 
-    from megatron_muon.newton_schulz import newton_schulz, newton_schulz_flops
+    from megatron_muon.newton_schulz import newton_schulz_flops
+    from megatron_muon.rule import newton_schulz
 
     def dist(method: str, x) -> float:
         ref = newton_schulz(x, STEPS, "quintic", torch.float32)

@@ -89,7 +89,7 @@ def gemm_rate(dtype: torch.dtype, size: int = 1024) -> float:
 
 
 def measure(shapes, emulate: bool, device: str) -> List[Dict[str, Any]]:
-    from megatron_muon.newton_schulz import newton_schulz
+    from megatron_muon.rule import newton_schulz
 
     gen = torch.Generator().manual_seed(0)
     rows = []

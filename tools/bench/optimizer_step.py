@@ -344,7 +344,7 @@ def orthogonalization_errors(ranks: List[Dict[str, Any]], device: str) -> Dict[s
     polar factor's and from fp32 Newton–Schulz's, both of the full gradient."""
     import torch
 
-    from megatron_muon.newton_schulz import newton_schulz
+    from megatron_muon.rule import newton_schulz
 
     grad_rank = next(r for r in ranks if any("grad" in p for p in r["probe"].values()))
     grad_peer = next(n for n, p in grad_rank["probe"].items() if "grad" in p)

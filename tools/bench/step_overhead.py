@@ -43,12 +43,14 @@ _VIEWS = {
     "resize_", "record_stream",
 }  # fmt: skip
 NS_ENTRY_POINTS = (
-    ("megatron_muon.pipeline", "newton_schulz"),
-    ("megatron_muon.pipeline", "multirank_newton_schulz"),
+    ("megatron_muon.rule", "newton_schulz"),
+    ("megatron_muon.rule", "MuonRule.orthogonalize"),
+    ("megatron_muon.rule", "MuonRule.orthogonalize_across"),
     ("emerging_optimizers.orthogonalized_optimizers.muon_utils", "newton_schulz"),
 )
-"""(module, function) of every implementation's Newton–Schulz call: ours (single- and
-multi-rank, as the step calls them) and emerging-optimizers' (Megatron-core's Muon)."""
+"""(module, function or ``Class.method``) of every implementation's Newton–Schulz call:
+ours (the public kernel, and the rule's orthogonalization stage, single- and multi-rank, as
+the step calls it) and emerging-optimizers' (Megatron-core's Muon)."""
 
 
 def op_kind(name: str) -> str:
@@ -122,12 +124,15 @@ def _ns_marked(counter: _Counter, matrices: List[int]) -> Iterator[None]:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        original = getattr(module, attr, None)
+        *owners, attr = attr.split(".")
+        for owner in owners:  # a method: patched on its class
+            module = getattr(module, owner)
+        original = module.__dict__.get(attr)
         if original is None:
             continue
 
         def marked(*args, __original=original, **kwargs):
-            G = args[0] if args else None
+            G = next((a for a in args if isinstance(a, torch.Tensor) or a is None), None)  # the matrix (None: not here)
             if isinstance(G, torch.Tensor) and counter.in_ns == 0:
                 matrices[0] += G.shape[0] if G.ndim == 3 else 1
             counter.in_ns += 1

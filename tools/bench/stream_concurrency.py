@@ -28,7 +28,7 @@ if __name__ == "__main__":
 import torch
 import torch.nn.functional as F
 
-from megatron_muon.newton_schulz import newton_schulz
+from megatron_muon.rule import newton_schulz
 
 MEDIUM = dict(layers=8, hidden=2048, ffn=5632, heads=16, groups=4, head_dim=128, batch=4, seq=1024)
 SMALL = dict(layers=2, hidden=256, ffn=512, heads=4, groups=2, head_dim=64, batch=1, seq=64)
