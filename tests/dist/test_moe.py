@@ -113,17 +113,20 @@ def test_deepseek_v3_layer_plan_without_building_the_model():
     from megatron_muon.newton_schulz import newton_schulz_flops
     from megatron_muon.testing.synthetic import deepseek_v3_expert_plan
 
+    # Standard NS throughout (the default 'auto' means Gram NS for fc2 on a GPU, which the
+    # plan of shapes alone assumes): the counts below are standard's.
+    standard = dict(muon_ns_method="standard")
     fc1 = newton_schulz_flops(2 * 2048, 7168)
     fc2 = newton_schulz_flops(7168, 2048)
     for edp in (1, 4, 8):
-        stats = deepseek_v3_expert_plan(edp_size=edp, muon_ns_max_ranks=1)
+        stats = deepseek_v3_expert_plan(edp_size=edp, muon_ns_max_ranks=1, **standard)
         assert stats["experts_per_ep_rank"] == 4 and stats["matrices"] == 8
         loads = stats["ns_flops_per_rank"]
         assert len(loads) == edp and sum(loads) == 4 * (fc1 + fc2)
         assert max(loads) - min(loads) <= stats["max_job_flops"]
         # With multi-rank Newton–Schulz (the default) on 8 ranks, each fc1 (more than a rank's
         # mean) is shared by two ranks: a lower maximum, at the price of redundant A A work.
-        split_stats = deepseek_v3_expert_plan(edp_size=edp)
+        split_stats = deepseek_v3_expert_plan(edp_size=edp, **standard)
         assert max(split_stats["ns_flops_per_rank"]) <= max(loads)
         assert len(split_stats["multirank_jobs"]) == (4 if edp == 8 else 0), split_stats["multirank_jobs"]
     split = deepseek_v3_expert_plan(edp_size=1, muon_split_glu=True)

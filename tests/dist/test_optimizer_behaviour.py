@@ -360,8 +360,11 @@ def test_plan_spreads_the_matrix_that_bounds_the_step_over_ranks():
     model = SimpleNamespace(gated_linear_unit=False, hidden_size=256)
 
     def plan(**cfg):
-        # Links priced at 0: these tiny matrices are spread by their FLOPs alone.
-        free = dict(muon_ns_intra_node_flops_per_byte=0.0, muon_ns_inter_node_flops_per_byte=0.0)
+        # Links priced at 0: these tiny matrices are spread by their FLOPs alone. Standard NS
+        # (a plan of shapes alone takes 'auto' as a GPU would: Gram NS for these wide ones).
+        free = dict(
+            muon_ns_intra_node_flops_per_byte=0.0, muon_ns_inter_node_flops_per_byte=0.0, muon_ns_method="standard"
+        )
         return synthetic_plan(shapes, model, MuonConfig(lr=1e-3, **{**free, **cfg}), 1, 16)
 
     unsplit, split = plan_statistics(plan(muon_ns_max_ranks=1)), plan(muon_ns_max_ranks=8)
