@@ -98,6 +98,18 @@ class MuonConfig(OptimizerConfig):
     Muon matrix applies only where the update ``u`` and the weight agree in sign
     (``u * w >= 0``, ``w`` before the step)."""
 
+    muon_hyperball: bool = False
+    """Muon-Hyperball (Wen et al. 2026): every Muon matrix and its update are kept at fixed
+    Frobenius norms, ``W <- R * normalize(W - lr * R * normalize(U))``, ``U`` the
+    orthogonalized update and ``R`` the matrix's radius (``muon_hyperball_radius``), instead
+    of weight decay: the Muon matrices take none (the AdamW parameters keep
+    ``weight_decay``). Exact on whole logical matrices (``muon_tp_mode='exact'``); the
+    radius is optimizer state. See ``megatron_muon.hyperball``."""
+
+    muon_hyperball_radius: Optional[float] = None
+    """With ``muon_hyperball``: every matrix's radius as an RMS, ``R = radius * sqrt(rows *
+    cols)``; None (default): each matrix's Frobenius norm when Hyperball first steps it."""
+
     muon_cpu_offload: bool = False
     """Keep the Muon momentum in (pinned, where CUDA is available) CPU memory; each
     pipeline chunk brings its momentum to the device just before its gather and writes it
@@ -340,6 +352,22 @@ def config_problems(cfg: MuonConfig):
             "muon_step_overlap_side_stream=True needs the step in the next forward, but muon_step_overlap='none' "
             "runs it whole inside step(); set muon_step_overlap='forward' (or 'auto' with DDP's overlap_param_gather), "
             "or drop the side stream."
+        )
+    if cfg.muon_hyperball and cfg.muon_tp_mode != "exact":
+        yield (
+            f"muon_hyperball=True cannot be exact with muon_tp_mode={cfg.muon_tp_mode!r}: it needs each whole "
+            "matrix's norm on one owner; set muon_tp_mode='exact' (--muon-tp-mode exact)."
+        )
+    if cfg.muon_hyperball and cfg.muon_cautious_weight_decay:
+        yield (
+            "muon_cautious_weight_decay=True has no effect with muon_hyperball=True: Hyperball's matrices take no "
+            "weight decay (the radius replaces it); drop one of them."
+        )
+    radius = cfg.muon_hyperball_radius
+    if radius is not None and (not cfg.muon_hyperball or _bad_number(radius, 0.0, True)):
+        yield (
+            f"muon_hyperball_radius={radius!r} is invalid; use a finite number > 0 (each matrix's RMS) with "
+            "muon_hyperball=True, or None (each matrix's norm when Hyperball first steps it)."
         )
     if cfg.muon_param_filter is not None and not callable(cfg.muon_param_filter):
         yield f"muon_param_filter={cfg.muon_param_filter!r} is not callable; use a function (name, param) -> bool."

@@ -42,6 +42,7 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.profiler import record_function
 
 from .config import MuonConfig
+from .hyperball import Hyperball
 from .matrices import MuonParam, unwrap
 from .newton_schulz import method_for_device
 from .non_finite import NonFiniteGradientError, SkipCounter, agreed_culprit, local_non_finite_names
@@ -56,7 +57,7 @@ from .timers import megatron_timer
 
 logger = logging.getLogger(__name__)
 
-RULE_VARIANTS: Tuple[Type[MuonRule], ...] = ()
+RULE_VARIANTS: Tuple[Type[MuonRule], ...] = (Hyperball,)
 """Muon's variants (``rule.py``): the first whose ``enabled(config)`` holds is the rule; plain
 Muon otherwise. ``MuonConfig`` refuses settings that turn on two."""
 

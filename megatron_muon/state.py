@@ -68,12 +68,14 @@ def factored_shape(out_features: int, in_features: int) -> Tuple[int, int]:
 
 MOMENTUM = "momentum_buffer"
 SECOND_MOMENT = "second_moment"
+HYPERBALL_RADIUS = "hyperball_radius"
 MASTER = "param"
 """The checkpoint name of a parameter's fp32 master weight (Megatron's)."""
 
 MUON_STATES: Tuple[MatrixState, ...] = (
     MatrixState(MOMENTUM, "shard", lambda config: True, required=True),
     MatrixState(SECOND_MOMENT, "owner", lambda config: config.muon_variance_reduction is not None, factored_shape),
+    MatrixState(HYPERBALL_RADIUS, "owner", lambda config: config.muon_hyperball, lambda rows, cols: (1, 1)),
 )
 ADAM_STATES: Tuple[str, ...] = ("exp_avg", "exp_avg_sq")
 """AdamW's states of every other parameter (Megatron's torch AdamW's); a checkpoint must hold both."""

@@ -85,6 +85,7 @@ PEERS: Dict[str, Peer] = {
     "muon_vr": Peer("Muon + variance reduction", "#55a868", ("--optimizer", "muon", "--muon-variance-reduction", "0.95")),
     "muon_cautious": Peer("Muon + cautious WD", "#8172b2", ("--optimizer", "muon", "--muon-cautious-weight-decay")),
     "muon_gram": Peer("Muon, Gram NS on every matrix", "#4c9a8c", ("--optimizer", "muon", "--muon-ns-method", "gram")),
+    "muon_hyperball": Peer("Muon-Hyperball (ours)", "#2ca02c", ("--optimizer", "muon", "--muon-hyperball")),
     "muon_gram_auto": Peer("Muon, Gram NS by aspect ratio", "#64b5cd", ("--optimizer", "muon", "--muon-ns-method", "auto")),
     "muon_split_glu": Peer("Muon, gate and up apart", "#ccb974", ("--optimizer", "muon", "--muon-split-glu")),
     "muon_gram_auto_split_glu": Peer(

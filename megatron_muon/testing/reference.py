@@ -37,6 +37,11 @@ One ``ReferenceMuon.step()``, all fp32 on full tensors:
    and then rescaled to its former Frobenius norm. With ``muon_cautious_weight_decay``
    the decay ``lr * wd * p`` only touches entries where ``update * p >= 0`` (``p``
    before the step).
+   With ``muon_hyperball`` (Muon-Hyperball, Wen et al. 2026) the logical matrix ``W`` of
+   ``p`` instead becomes ``R * n(W - lr * R * n(O))`` with ``n(X) = X / ||X||_F`` (``O`` the
+   orthogonalized, variance-reduced matrix; no scale, no weight decay) and ``R`` the
+   matrix's Frobenius norm before its first such step (or ``muon_hyperball_radius *
+   sqrt(out * in)``), kept per logical matrix.
 5. AdamW for the rest, exactly ``torch.optim.AdamW``'s (single-tensor) arithmetic.
 6. ``lr`` = ``config.lr`` (or ``self.lr``, or ``step(lr=...)``); ``wd`` =
    ``config.weight_decay * wd_mult``, ``wd_mult`` = 0 for 1-D params and ``*.bias``,
@@ -244,6 +249,29 @@ def muon_update(
         p.mul_(1 - lr * wd).add_(update, alpha=-lr)
 
 
+def hyperball_update(p, g, state, lr: float, matrices, config: MuonConfig) -> None:
+    """Muon-Hyperball on one parameter: momentum as Muon's, then each logical matrix put
+    back on the sphere of its radius after a step of length ``lr * R`` along the normalized
+    orthogonalized update. Written on whole fp32 matrices, one at a time."""
+    buf = state.setdefault("momentum_buffer", torch.zeros_like(p, dtype=torch.float32))
+    mu = config.muon_momentum
+    buf.mul_(mu).add_(g)
+    u = g + mu * buf if config.muon_nesterov else buf
+    moments = state.setdefault("second_moment", [None] * len(matrices))
+    radii = state.setdefault("hyperball_radius", [None] * len(matrices))
+    for i, lm in enumerate(matrices):
+        o = orthogonalize(lm.read(u), config).float()
+        if config.muon_variance_reduction is not None:
+            o, moments[i] = normuon(o, moments[i], config.muon_variance_reduction)
+        w = lm.read(p).clone()
+        if radii[i] is None:
+            given = config.muon_hyperball_radius
+            radii[i] = given * math.sqrt(w.numel()) if given is not None else float(w.norm())
+        radius = radii[i]
+        stepped = w - lr * radius * (o / o.norm().clamp(min=1e-12))
+        lm.write(p, radius * stepped / stepped.norm().clamp(min=1e-12))
+
+
 def adamw_update(p, g, state, lr: float, wd: float, config: MuonConfig) -> None:
     """``torch.optim.AdamW`` (single-tensor, no amsgrad) on one parameter."""
     b1, b2 = config.adam_beta1, config.adam_beta2
@@ -368,6 +396,8 @@ class ReferenceMuon:
             wd = self.config.weight_decay * wd_mult(key, p)
             if self.matrices[key] is None:
                 adamw_update(p.data, grads[key], self.state[key], lr, wd, self.config)
+            elif self.config.muon_hyperball:
+                hyperball_update(p.data, grads[key], self.state[key], lr, self.matrices[key], self.config)
             else:
                 mask = (cautious_masks or {}).get(key)
                 muon_update(p.data, grads[key], self.state[key], lr, wd, self.matrices[key], self.config, mask)
