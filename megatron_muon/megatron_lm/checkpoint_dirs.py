@@ -386,13 +386,15 @@ def load_dcp(path: str, wanted: Callable[[str], bool] = lambda key: True) -> Dic
 
 def fsdp_common(path: str) -> Dict[str, Any]:
     """The common state of the fsdp_dtensor checkpoint ``path`` as :func:`read_common` gives a
-    torch_dist one's: iteration, arguments, and the optimizer's (ours, or Megatron's AdamW
-    marked as such), without reading a tensor."""
+    torch_dist one's: iteration, arguments, checkpoint version (which of the arguments
+    Megatron-LM's ``check_checkpoint_args`` compares) and the optimizer's (ours, or Megatron's
+    AdamW marked as such), without reading a tensor."""
     from megatron_muon.checkpoint.fsdp_dtensor import CommonState
 
+    scalars = ("iteration", "args", "checkpoint_version")
     with bounded(f"the common state of {path}"):
-        state = load_dcp(path, lambda key: key in ("iteration", "args", COMMON) or key.startswith(GROUP_META))
-    common = {k: v for k, v in state.items() if k in ("iteration", "args")}
+        state = load_dcp(path, lambda key: key in (*scalars, COMMON) or key.startswith(GROUP_META))
+    common = {k: v for k, v in state.items() if k in scalars}
     if isinstance(state.get(COMMON), CommonState):
         common["optimizer"] = state[COMMON].value
     elif any(k.startswith(GROUP_META) for k in state):

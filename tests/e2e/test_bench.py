@@ -113,7 +113,8 @@ def test_scale_model_bytes_match_the_counted_bytes(out, measured):
 @pytest.mark.timeout(200)
 def test_scale_model_splits_only_where_it_shortens_the_step():
     """The planner's priced split rule, through the scale model: Llama 3 8B / 64 GPUs is
-    predicted no slower than without split Newton–Schulz, Moonlight / 128 faster."""
+    predicted no slower than without split Newton–Schulz, Moonlight / 128 faster (by 5 % and
+    more with standard NS)."""
     from dataclasses import replace
 
     from tools.bench import model_shapes
@@ -121,11 +122,15 @@ def test_scale_model_splits_only_where_it_shortens_the_step():
     for name in ("llama3_8b", "moonlight_16b_a3b"):
         recipe, cluster, _ = scale_model.SCENARIOS[name]
         m = model_shapes.from_recipe(recipe, cluster.gpus, cluster.tp, cluster.pp, cluster.ep, cluster.etp)
-        split = scale_model.predict(m, cluster)["schemes"]["ours_exact"]["step_ms"]
-        unsplit = scale_model.predict(m, replace(cluster, muon=(("muon_ns_max_ranks", 1),)))
-        assert split <= unsplit["schemes"]["ours_exact"]["step_ms"], (name, split, unsplit)
-        if name == "moonlight_16b_a3b":
-            assert split < 0.95 * unsplit["schemes"]["ours_exact"]["step_ms"]
+        # The default ('auto': Gram NS from aspect 3) and standard NS, whose larger FLOPs make
+        # Moonlight's step bound by its largest matrices.
+        for method in ("auto", "standard"):
+            c = replace(cluster, muon=(("muon_ns_method", method),))
+            split = scale_model.predict(m, c)["schemes"]["ours_exact"]["step_ms"]
+            unsplit = scale_model.predict(m, replace(c, muon=(*c.muon, ("muon_ns_max_ranks", 1))))
+            assert split <= unsplit["schemes"]["ours_exact"]["step_ms"], (name, method, split, unsplit)
+            if name == "moonlight_16b_a3b" and method == "standard":
+                assert split < 0.95 * unsplit["schemes"]["ours_exact"]["step_ms"]
 
 
 def test_stream_concurrency_runs_its_plumbing_on_the_cpu():

@@ -1125,7 +1125,7 @@ def test_recipes_through_megatron_lm_arguments(tmp_path):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text(
         "num_layers: 2\nhidden_size: 32\nnum-attention-heads: 2\nseq_length: 16\nmax-position-embeddings: 16\n"
-        "micro_batch_size: 2\ntrain_iters: 5\nlr: 1.0e-3\nmuon_nesterov: false\nadd_bias_linear: false\n"
+        "micro_batch_size: 2\ntrain_iters: 5\neval_interval: 5\nlr: 1.0e-3\nmuon_nesterov: false\nadd_bias_linear: false\n"
         "data-path: [a, b]\nsplit: 90,8,2\n"
     )
     got = run_distributed(_read_recipes, 1, str(recipe), timeout_s=200)[0]
