@@ -14,6 +14,7 @@ import importlib.util
 import io
 import math
 import os
+import re
 import shlex
 import sys
 import traceback
@@ -399,6 +400,29 @@ def check_wandb(args: argparse.Namespace) -> None:
         )
 
 
+TORCH_CHECKED = "2.11"
+"""The torch release the suite runs on (setup.py requires 2.10 or later: torch before 2.10 has
+CVE-2026-24747 in its weights_only unpickler)."""
+TORCH_FAILS_FROM = (2, 15)
+"""The first torch release found not to work with megatron-core 0.19.2 (tried 2026-11-28)."""
+
+
+def check_torch_version(version: Optional[str] = None) -> None:
+    """Refuse, in one line, a torch this package is known not to run on: from 2.15, DCP's
+    ``TensorProperties`` has a ``strides`` field that megatron-core 0.19.2's torch_dist loader
+    passes to ``torch.empty`` (every checkpoint load fails), and DCP's metadata pickles a
+    ``SavePlan`` that our unpickler's allowlist does not admit. 2.12-2.14 were not tried."""
+    import torch
+
+    release = tuple(int(part) for part in re.findall(r"\d+", (version or torch.__version__).split("+")[0])[:2])
+    if release >= TORCH_FAILS_FROM:
+        raise ValueError(
+            f"torch {version or torch.__version__} does not run megatron-core 0.19.2's checkpoints (its torch_dist "
+            f"loader passes DCP's new TensorProperties.strides to torch.empty): install torch {TORCH_CHECKED} (checked; "
+            "2.10 or later, before 2.15)"
+        )
+
+
 def check_runnable_here(args: argparse.Namespace) -> None:
     """What this machine cannot run, refused before any model is built (Megatron would fail
     late, deep in its code, or ignore the flag): transformer-engine's implementation without
@@ -410,6 +434,7 @@ def check_runnable_here(args: argparse.Namespace) -> None:
 
     from megatron_muon.layer_specs import transformer_engine_available
 
+    check_torch_version()
     if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
         raise ValueError(
             "--transformer-impl transformer_engine needs transformer-engine, which is not installed: use "
