@@ -52,7 +52,22 @@ def shared_fixture_groups(items) -> Dict[str, str]:
     return {nodeid: "::".join(find(key)) for nodeid, key in first.items()}
 
 
+INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def inductor_cache_for_these_kernels() -> str:
+    """A torch.compile cache directory of its own per ATen CPU capability: inductor's cache
+    (``/tmp/torchinductor_<user>`` by default) does not key its compiled CPU kernels by
+    ``ATEN_CPU_CAPABILITY``, and on an AVX-512 machine a run with ``=avx2`` loaded the
+    native run's kernels and crashed (segfault in test_compiled_matches_eager, torch 2.11;
+    a fresh cache passes)."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "native")
+    return os.path.join(tempfile.gettempdir(), f"megatron-muon-inductor-{os.getuid()}-{capability}")
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    if INDUCTOR_CACHE not in os.environ:  # set before anything compiles; ranks inherit it
+        os.environ[INDUCTOR_CACHE] = inductor_cache_for_these_kernels()
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         fd, path = tempfile.mkstemp(prefix="megatron-muon-test-groups-", suffix=".json")
         os.close(fd)
