@@ -39,7 +39,10 @@ class Workload:
 
     def __init__(self, shape: Dict[str, int], device: str) -> None:
         self.s, self.device = shape, device
-        s, bf = shape, torch.bfloat16
+        # bf16 as on the GPU it measures; fp32 on a CPU (a smoke run), whose bf16 attention
+        # kernel fails under an ATEN_CPU_CAPABILITY below the hardware's ("pack_vnni2 is only
+        # supported when avx512 is supported", torch 2.11).
+        s, bf = shape, torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
         q, kv = s["heads"] * s["head_dim"], s["groups"] * s["head_dim"]
 
         def w(rows: int, cols: int) -> torch.Tensor:
