@@ -12,7 +12,8 @@ setup(
     python_requires=">=3.12",
     install_requires=[
         # torch before 2.10 has CVE-2026-24747 (its weights_only unpickler can be driven into
-        # heap corruption); the suite runs on 2.11, the fast tier and the first job also on 2.15.
+        # heap corruption); the suite runs on 2.11; from 2.15 megatron-core 0.19.2 cannot load its
+        # checkpoints, and the main job refuses it (megatron_lm/launch.check_torch_version).
         "torch>=2.10",
         "megatron-core>=0.19,<0.20",
         "einops",
