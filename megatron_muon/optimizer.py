@@ -62,9 +62,10 @@ RULE_VARIANTS: Tuple[Type[MuonRule], ...] = (Hyperball,)
 Muon otherwise. ``MuonConfig`` refuses settings that turn on two."""
 
 
-def muon_rule(config: MuonConfig, device: Optional[torch.device]) -> MuonRule:
-    """The rule ``config`` asks for on ``device``, built once per optimizer."""
-    return next((variant for variant in RULE_VARIANTS if variant.enabled(config)), MuonRule)(config, device)
+def muon_rule(config: MuonConfig, ns_method: str) -> MuonRule:
+    """The rule ``config`` asks for, running the Newton–Schulz iteration ``ns_method`` (the
+    optimizer's, resolved for its device), built once per optimizer."""
+    return next((variant for variant in RULE_VARIANTS if variant.enabled(config)), MuonRule)(config, ns_method)
 
 
 class MuonAdamW(torch.optim.AdamW):
@@ -193,7 +194,7 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         if cfg.optimizer_cpu_offload:
             self.masters_offload = OffloadedMasters(self.storage.float16_masters(), device)
         me = self.plan.group.rank
-        rule = muon_rule(cfg, device)
+        rule = muon_rule(cfg, self.ns_method)
         rule.check(self.plan.jobs)
         return MuonPipeline(
             group=self.plan.group,

@@ -51,7 +51,6 @@ from .newton_schulz import (
     CoefficientSet,
     Triple,
     choose_method,
-    method_for_device,
     resolve_coefficients,
 )
 from .planner import ChunkMessages, Job
@@ -192,7 +191,7 @@ class MuonRule:
         """Whether this rule is the one ``config`` asks for (a variant: its switch is on)."""
         return True
 
-    def __init__(self, config, device: Optional[torch.device] = None) -> None:
+    def __init__(self, config, ns_method: Optional[str] = None) -> None:
         self.config = config
         self.momentum: float = config.muon_momentum
         self.nesterov: bool = config.muon_nesterov
@@ -200,8 +199,9 @@ class MuonRule:
         """The Newton–Schulz coefficient set, resolved once (its ``schedule`` per step count)."""
         self.ns_steps: int = config.muon_num_ns_steps
         self.ns_dtype: torch.dtype = config.muon_ns_dtype
-        self.ns_method: str = method_for_device(config.muon_ns_method, device)
-        """The iteration on the optimizer's device ('auto' is standard on a CPU)."""
+        self.ns_method: str = ns_method or config.muon_ns_method
+        """The iteration on the optimizer's device, as the optimizer resolved it once
+        (``newton_schulz.method_for_device``: 'auto' is standard on a CPU)."""
         self.compiled: bool = config.muon_use_torch_compile
         self.variance_reduction: Optional[float] = config.muon_variance_reduction
         self.cautious: bool = config.muon_cautious_weight_decay
