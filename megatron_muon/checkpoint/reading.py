@@ -33,6 +33,8 @@ import threading
 import weakref
 from typing import IO, Any, Iterator, List, Optional, Tuple
 
+from .. import patching
+from ..patching import Patch
 from .errors import CheckpointError, ReadStopped, UnsafeCheckpointError
 from .unpickling import load_pickle, torch_load
 
@@ -243,18 +245,7 @@ def read_dcp_metadata(checkpoint_dir: str):
 # ---------------------------------------------------------------------------------------
 
 
-_RESTRICTED = "__megatron_muon_restricted__"
-"""Marks a reader replaced here (``__wrapped__`` alone would not: any ``functools.wraps``
-decorator of torch's sets it, and the patch would then be skipped)."""
-
-
-def _restricted(replacement, original):
-    replacement.__wrapped__ = original
-    setattr(replacement, _RESTRICTED, True)
-    return replacement
-
-
-def _read_metadata(original):
+def _read_metadata(original, context=None):
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     def read_metadata(self, *args, **kwargs):
@@ -273,10 +264,11 @@ def _read_metadata(original):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    return _restricted(read_metadata, original)
+    read_metadata.__wrapped__ = original  # type: ignore[attr-defined]
+    return read_metadata
 
 
-def _create_stream(original):
+def _create_stream(original, context=None):
     """torch DCP's local ``FileSystem.create_stream``: reads through :func:`open_regular`."""
 
     @contextlib.contextmanager
@@ -292,10 +284,11 @@ def _create_stream(original):
         with stream:
             yield stream
 
-    return _restricted(create_stream, original)
+    create_stream.__wrapped__ = original  # type: ignore[attr-defined]
+    return create_stream
 
 
-def _load_bytes(original):
+def _load_bytes(original, context=None):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = torch_load(value, f"the stored object {read_item.dest_index.fqn}")
@@ -308,10 +301,11 @@ def _load_bytes(original):
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
-    return _restricted(load_bytes, original)
+    load_bytes.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_bytes
 
 
-def _load_common(original):
+def _load_common(original, context=None):
     def load_common(checkpoint_dir):
         path = os.path.join(str(checkpoint_dir), "common.pt")
         try:
@@ -320,56 +314,55 @@ def _load_common(original):
         except CheckpointError as refusal:  # Megatron-core's caller would swallow it
             raise ReadStopped(refusal) from None
 
-    return _restricted(load_common, original)
+    load_common.__wrapped__ = original  # type: ignore[attr-defined]
+    return load_common
 
 
-def reader_patches() -> List[Tuple[Any, str, Any, Any]]:
-    """``(owner, name, original, replacement)`` for every checkpoint reader: torch DCP's
-    ``FileSystemReader.read_metadata`` and ``DefaultLoadPlanner.load_bytes`` (which
-    unpickle), its local ``FileSystem.create_stream`` (which opens every file it reads),
-    Megatron-core's legacy ``load_common`` (``common.pt``)."""
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.strategies import common
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
-
-    out = []
-    for owner, name, wrap in (
-        (FileSystemReader, "read_metadata", _read_metadata),
-        (FileSystem, "create_stream", _create_stream),
-        (DefaultLoadPlanner, "load_bytes", _load_bytes),
-        (common, "load_common", _load_common),
-        (serialization, "load_common", _load_common),
-    ):
-        original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        if not getattr(original, _RESTRICTED, False):
-            out.append((owner, name, original, wrap(original)))
-    return out
-
-
-_lock = threading.RLock()
-_depth = 0
-_installed: List[Tuple[Any, str, Any, Any]] = []
+_HERE = "megatron_muon.checkpoint.reading"
+_WHY_READ = "every checkpoint read unpickles through the restricted unpickler and opens regular files only"
+READERS: Tuple[Patch, ...] = (
+    Patch(
+        "torch.distributed.checkpoint.filesystem:FileSystemReader",
+        "read_metadata",
+        f"{_HERE}:_read_metadata",
+        _WHY_READ + " (DCP's .metadata; restated: the storage it names is checked to lie inside the checkpoint)",
+        "torch 2.11.0",
+    ),
+    Patch(
+        "torch.distributed.checkpoint.filesystem:FileSystem",
+        "create_stream",
+        f"{_HERE}:_create_stream",
+        _WHY_READ + " (every file DCP opens for reading)",
+        "torch 2.11.0",
+    ),
+    Patch(
+        "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner",
+        "load_bytes",
+        f"{_HERE}:_load_bytes",
+        _WHY_READ + " (DCP's stored objects; restated)",
+        "torch 2.11.0",
+    ),
+    *(
+        Patch(
+            module,
+            "load_common",
+            f"{_HERE}:_load_common",
+            _WHY_READ + " (Megatron-core's common.pt; restated)",
+            "megatron-core 0.19.2",
+        )
+        for module in (
+            "megatron.core.dist_checkpointing.strategies.common",
+            "megatron.core.dist_checkpointing.serialization",
+        )
+    ),
+)
+"""Every checkpoint reader of torch DCP and Megatron-core, restricted (table rows of
+``megatron_lm/patches.py``; declared here, where the core uses them)."""
 
 
 @contextlib.contextmanager
 def restricted_reading() -> Iterator[None]:
     """Inside the block, every checkpoint read of torch DCP and Megatron-core goes through
-    :func:`reader_patches` (reentrant; a no-op where the patches are already installed for
-    the whole job)."""
-    global _depth, _installed
-    with _lock:
-        if _depth == 0:
-            _installed = reader_patches()
-            for owner, name, _, replacement in _installed:
-                setattr(owner, name, replacement)
-        _depth += 1
-    try:
+    :data:`READERS` (reentrant; what a whole Megatron-LM job installed stays in force)."""
+    with patching.scoped(READERS):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                for owner, name, original, _ in reversed(_installed):
-                    setattr(owner, name, original)
-                _installed = []

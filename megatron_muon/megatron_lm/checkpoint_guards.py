@@ -18,17 +18,18 @@ restricted unpickler (``checkpoint.unpickling``, installed for the whole job); o
 our manifest or record is refused; the optimizer state must hold what the run loads
 (``optimizer_state.states_to_load``); a checkpoint whose padded vocabulary differs from this
 run's is refused, naming ``--make-vocab-size-divisible-by``. docs/design.md ("Inside
-Megatron-LM") says where each hooks in; :func:`checkpoint_patches` returns them in the form
-``use_megatron_muon`` installs.
+Megatron-LM") says where each hooks in; ``patches.CHECKPOINTS`` declares them, and
+``use_megatron_muon`` installs them (their context holds one :class:`CheckpointGuards`).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import torch.distributed as dist
 
+from megatron_muon import patching
 from megatron_muon.checkpoint import save_lock
 from megatron_muon.checkpoint.errors import CheckpointError, checkpoint_error_in
 from megatron_muon.checkpoint.integrity import (
@@ -42,7 +43,7 @@ from megatron_muon.checkpoint.integrity import (
 )
 from megatron_muon.checkpoint.optimizer_state import optimizer_kind, saved_keys, states_to_load
 from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
-from megatron_muon.checkpoint.reading import reader_patches, regular_files_only
+from megatron_muon.checkpoint.reading import regular_files_only
 
 from .checkpoint_dirs import (
     COMMON_ITEMS,
@@ -138,11 +139,30 @@ def guarded_save(guards: CheckpointGuards, checkpoint_dir: str, write: Callable[
     return request
 
 
-def _wrap_save_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
+def _guarded_dist_checkpointing(original: Any, context: Any) -> GuardedDistCheckpointing:
+    return GuardedDistCheckpointing(original, context.checkpoint_guards)
+
+
+def _guarded_dcp_save(original: Callable, guards: CheckpointGuards) -> Callable:
+    """torch DCP's ``save`` as Megatron-LM's fsdp_dtensor save calls it, through :func:`guarded_save`."""
+
+    def save(state_dict, *, storage_writer, **options):
+        def write(staging: str):
+            return original(state_dict=state_dict, storage_writer=type(storage_writer)(staging), **options)
+
+        return guarded_save(guards, storage_writer.path, write)
+
+    return save
+
+
+def _wrap_save_checkpoint(original: Callable, context: Any) -> Callable:
     """Megatron-LM's ``save_checkpoint``: a failure is one :class:`CheckpointError` line (a
     full disk named as such; the last complete checkpoint stays); with ``--ckpt-format
     fsdp_dtensor`` its ``torch.distributed.checkpoint.save`` (the one call that writes the
     directory) goes through :func:`guarded_save` while it runs."""
+    from .patches import DCP_SAVE_SCOPE
+
+    guards = context.checkpoint_guards
 
     def save_checkpoint(*args, **kwargs):
         from megatron.training import get_args
@@ -151,21 +171,8 @@ def _wrap_save_checkpoint(original: Callable, guards: CheckpointGuards) -> Calla
         try:
             if margs.ckpt_format != "fsdp_dtensor":
                 return original(*args, **kwargs)
-            import torch.distributed.checkpoint as dcp
-
-            dcp_save = dcp.save
-
-            def save(state_dict, *, storage_writer, **options):
-                def write(staging: str):
-                    return dcp_save(state_dict=state_dict, storage_writer=type(storage_writer)(staging), **options)
-
-                return guarded_save(guards, storage_writer.path, write)
-
-            dcp.save = save
-            try:
+            with patching.scoped(DCP_SAVE_SCOPE, guards):
                 return original(*args, **kwargs)
-            finally:
-                dcp.save = dcp_save
         except CheckpointError:
             raise
         except BaseException as e:
@@ -197,6 +204,10 @@ class _AtomicFile:
     def __exit__(self, kind, value, tb) -> None:
         if kind is None:
             write_atomically(self.path, "".join(self._parts))
+
+
+def _atomic_tracker_writes(original: Any, context: Any) -> "AtomicTrackerWrites":
+    return AtomicTrackerWrites(original)
 
 
 class AtomicTrackerWrites:
@@ -241,7 +252,9 @@ def choose_iteration(directory: str, owned: bool, choose: bool) -> Optional[int]
     return iteration
 
 
-def _wrap_load_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
+def _wrap_load_checkpoint(original: Callable, context: Any) -> Callable:
+    guards = context.checkpoint_guards
+
     def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *a, **kw):
         from megatron.training import get_args
 
@@ -283,7 +296,9 @@ def _one_error(function: Callable) -> Callable:
     return call
 
 
-def _wrap_read_metadata(original: Callable, guards: CheckpointGuards) -> Callable:
+def _wrap_read_metadata(original: Callable, context: Any) -> Callable:
+    guards = context.checkpoint_guards
+
     def read_metadata(tracker_filename):
         if guards.resume_iteration is not None:
             return guards.resume_iteration, False
@@ -371,11 +386,12 @@ def check_padded_vocabulary(common: Any, checkpoint_dir: str) -> None:
     )
 
 
-def _wrap_load_base_checkpoint(original: Callable, guards: CheckpointGuards) -> Callable:
+def _wrap_load_base_checkpoint(original: Callable, context: Any) -> Callable:
     """Megatron-LM's ``_load_base_checkpoint``, for an fsdp_dtensor checkpoint (torch_dist
     ones go through :func:`_wrap_load_global_dist_base_checkpoint`): the directory verified
     before DCP reads it (:func:`_wrap_get_checkpoint_format` sees its name first), the padded
     vocabulary checked on the first read."""
+    guards = context.checkpoint_guards
 
     def load_base_checkpoint(load_dir, args, rank0=False, *rest, **kw):
         guards.first_read, guards.fsdp_dtensor_dir = bool(rank0), None
@@ -392,10 +408,11 @@ def _wrap_load_base_checkpoint(original: Callable, guards: CheckpointGuards) -> 
     return load_base_checkpoint
 
 
-def _wrap_get_checkpoint_format(original: Callable, guards: CheckpointGuards) -> Callable:
+def _wrap_get_checkpoint_format(original: Callable, context: Any) -> Callable:
     """Megatron-LM's format detection, after an fsdp_dtensor checkpoint (by our record, or by
     its files: one that lost its ``.metadata`` is still one) is verified: Megatron-LM would
     call it ``unknown``, or read it as another format."""
+    guards = context.checkpoint_guards
 
     def get_checkpoint_format(checkpoint_name, *args, **kwargs):
         fsdp = checkpoint_format(str(checkpoint_name)) == "fsdp_dtensor"
@@ -452,11 +469,13 @@ def keep_saved_states(sharded_state_dict: dict, checkpoint_dir: str) -> None:
         param_state[name] = {s: t for s, t in param_state[name].items() if s in kept}
 
 
-def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
+def _wrap_preprocess(original: Callable, context: Any) -> Callable:
     """Megatron-LM's ``preprocess_fsdp_dtensor_state_dict`` replaced by
     ``fsdp_state_dict.preprocess_state_dict``; before a load, the checkpoint
     checked to hold every weight and optimizer state (:func:`check_holds_state`)."""
     from megatron_muon.megatron_lm.fsdp_state_dict import preprocess_state_dict
+
+    guards = context.checkpoint_guards
 
     def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
         state_dict = preprocess_state_dict(args, raw_state_dict, model)
@@ -468,9 +487,11 @@ def _wrap_preprocess(original: Callable, guards: CheckpointGuards) -> Callable:
     return preprocess_fsdp_dtensor_state_dict
 
 
-def _wrap_load_global_dist_base_checkpoint(
-    original: Callable, checkpointing: Any, guards: CheckpointGuards
-) -> Callable:
+def _wrap_load_global_dist_base_checkpoint(original: Callable, context: Any) -> Callable:
+    import megatron.training.checkpointing as checkpointing
+
+    guards = context.checkpoint_guards
+
     def load_global_dist_base_checkpoint(load_dir, args, rank0, sharded_state_dict, iteration, release, *rest, **kw):
         checkpoint_dir = checkpointing.get_checkpoint_name(load_dir, iteration, release, return_base_dir=True)
         verify_before_read(checkpoint_dir, first_read=bool(rank0), guards=guards)
@@ -485,53 +506,3 @@ def _wrap_load_global_dist_base_checkpoint(
 
     load_global_dist_base_checkpoint.__wrapped__ = original  # type: ignore[attr-defined]
     return load_global_dist_base_checkpoint
-
-
-# ---------------------------------------------------------------------------------------
-# Installation
-# ---------------------------------------------------------------------------------------
-
-
-def checkpoint_patches(training: Optional[Any] = None) -> List[Tuple[Any, str, Any, Any]]:
-    """``(module, name, original, wrapper)`` for the save and load points of Megatron-LM's
-    ``megatron.training.checkpointing`` and ``training.load_checkpoint`` (empty when
-    Megatron-LM is not importable), Megatron-core's writer processes (``process_lifetime``)
-    and every checkpoint reader that unpickles (``checkpoint.unpickling``)."""
-    try:
-        import megatron.training.checkpointing as checkpointing
-    except ImportError:
-        return []
-    from .process_lifetime import writer_process_patches
-
-    guards = CheckpointGuards()
-    patches = list(writer_process_patches()) + reader_patches()
-    package = checkpointing.dist_checkpointing
-    if not isinstance(package, GuardedDistCheckpointing):
-        patches.append((checkpointing, "dist_checkpointing", package, GuardedDistCheckpointing(package, guards)))
-    msc = checkpointing.maybe_msc
-    if not isinstance(msc, AtomicTrackerWrites):
-        patches.append((checkpointing, "maybe_msc", msc, AtomicTrackerWrites(msc)))
-    load = checkpointing._load_global_dist_base_checkpoint
-    if not hasattr(load, "__megatron_muon_undo__"):
-        wrapper = _wrap_load_global_dist_base_checkpoint(load, checkpointing, guards)
-        patches.append((checkpointing, "_load_global_dist_base_checkpoint", load, wrapper))
-    for name, wrap in (
-        ("_load_base_checkpoint", _wrap_load_base_checkpoint),
-        ("_get_checkpoint_format", _wrap_get_checkpoint_format),
-    ):
-        original = getattr(checkpointing, name)
-        if not hasattr(original, "__megatron_muon_undo__"):
-            patches.append((checkpointing, name, original, wrap(original, guards)))
-    preprocess = checkpointing.preprocess_fsdp_dtensor_state_dict
-    if not hasattr(preprocess, "__megatron_muon_undo__"):
-        wrapper = _wrap_preprocess(preprocess, guards)
-        patches.append((checkpointing, "preprocess_fsdp_dtensor_state_dict", preprocess, wrapper))
-    read = checkpointing.read_metadata
-    if not hasattr(read, "__megatron_muon_undo__"):
-        patches.append((checkpointing, "read_metadata", read, _wrap_read_metadata(read, guards)))
-    for module in (checkpointing, training):
-        for name, wrap in (("load_checkpoint", _wrap_load_checkpoint), ("save_checkpoint", _wrap_save_checkpoint)):
-            original = getattr(module, name, None) if module is not None else None
-            if original is not None and not hasattr(original, "__megatron_muon_undo__"):
-                patches.append((module, name, original, wrap(original, guards)))
-    return patches

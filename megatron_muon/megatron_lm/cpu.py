@@ -34,8 +34,12 @@ from typing import Any, Dict, Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-_INSTALLED: dict[str, Any] = {}
-_INSTALLED_ORIGINALS: dict[str, Any] = {}
+from megatron_muon import patching
+
+from . import patches
+
+_MODE: Dict[str, "CudaToCpuMode"] = {}
+"""The CUDA-to-CPU torch function mode while :func:`install_cpu_patches` is in force."""
 
 
 # --------------------------------------------------------------------------------------
@@ -127,7 +131,7 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors: dict) -> None:
+def _set_states_keeping_step(original: Any, context: Any = None) -> Any:
     """Megatron 0.19.2's distributed-optimizer load without transformer-engine or Apex (so on
     every CPU run, torch's AdamW), three defects:
 
@@ -141,6 +145,15 @@ def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors
       checkpoint's parameter groups is kept;
     * an fp32 param's master is a view of the param itself, a leaf that requires grad, and
       the in-place copy into it runs outside ``no_grad`` ("a view of a leaf Variable ...")."""
+
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self: Any, model_param: torch.nn.Parameter, tensors: dict) -> None:
+        _set_keeping_step(original, self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+def _set_keeping_step(original: Any, self: Any, model_param: torch.nn.Parameter, tensors: dict) -> None:
     group_index, group_order = self.model_param_group_index_map[model_param]
     main_param = self.optimizer.param_groups[group_index]["params"][group_order]
     state = self.optimizer.state.get(main_param, {})
@@ -149,34 +162,39 @@ def _set_states_keeping_step(self: Any, model_param: torch.nn.Parameter, tensors
         state["step"] = step.detach().clone()
         tensors = {**tensors, "step": state["step"].clone()}
     with torch.no_grad():
-        _INSTALLED_ORIGINALS["_set_main_param_and_optimizer_states"](self, model_param, tensors)
+        original(self, model_param, tensors)
 
 
-def _sharded_state_dict_loadable(self: Any, *args: Any, **kwargs: Any) -> Any:
+def _sharded_state_dict_loadable(original: Any, context: Any = None) -> Any:
     """Megatron 0.19.2's DistributedOptimizer without transformer-engine or Apex (torch
     AdamW) reads the step from its state in ``state_dict()`` and asserts when no step has
     run yet: a fresh job cannot build the state dict it loads into. Give it Megatron's own
     remedy (``_init_optimizer_states_with_dummy_values``, used by its FSDP path) first; the
-    load then replaces every dummy value."""
-    is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
-    if is_loading and not self.optimizer.state:
-        self._init_optimizer_states_with_dummy_values()
-    return _INSTALLED_ORIGINALS["sharded_state_dict"](self, *args, **kwargs)
+    load then replaces every dummy value. (With either of them installed: Megatron's own.)"""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
+        return patching.KEEP
+
+    @functools.wraps(original)
+    def sharded_state_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        is_loading = kwargs.get("is_loading", args[1] if len(args) > 1 else False)
+        if is_loading and not self.optimizer.state:
+            self._init_optimizer_states_with_dummy_values()
+        return original(self, *args, **kwargs)
+
+    return sharded_state_dict
 
 
 @contextlib.contextmanager
 def _cuda_device_index_zero():
     """``torch.cuda.current_device()`` answers 0 meanwhile (the patched one answers
     ``"cpu"``, which ``f"cuda:{torch.cuda.current_device()}"`` turns into ``"cuda:cpu"``)."""
-    patched = torch.cuda.current_device
-    torch.cuda.current_device = lambda: 0
-    try:
+    with patching.scoped(patches.DEVICE_INDEX_SCOPE):
         yield
-    finally:
-        torch.cuda.current_device = patched
 
 
-def _fsdp_on_cpu(original: Any) -> Any:
+def _fsdp_on_cpu(original: Any, context: Any = None) -> Any:
     """Megatron-FSDP's ``FullyShardedDataParallel.__init__`` (and the ``MegatronFSDP`` it
     builds) make ``torch.device(f"cuda:{torch.cuda.current_device()}")`` whatever device is
     passed: build it for the CPU, with that string evaluable."""
@@ -189,85 +207,81 @@ def _fsdp_on_cpu(original: Any) -> Any:
     return __init__
 
 
-def _patch(obj: Any, name: str, value: Any) -> None:
-    key = f"{id(obj)}.{name}"
-    if key not in _INSTALLED:
-        _INSTALLED[key] = (obj, name, getattr(obj, name, None))
-    setattr(obj, name, value)
+# The CPU stand-ins ``patches.CPU_CORE`` puts in place of torch's CUDA functions.
+
+
+def _device_cpu(*a: Any, **k: Any) -> str:
+    return "cpu"
+
+
+def _device_zero(*a: Any, **k: Any) -> int:
+    return 0
+
+
+def _one_device(*a: Any, **k: Any) -> int:
+    return 1
+
+
+def _nothing(*a: Any, **k: Any) -> None:
+    return None
+
+
+def _no_bytes(*a: Any, **k: Any) -> int:
+    """Megatron-LM's memory reports: nothing on a GPU."""
+    return 0
+
+
+def _no_memory_stats(*a: Any, **k: Any) -> dict:
+    return {}
+
+
+def _no_capability(*a: Any, **k: Any) -> tuple:
+    """Compute capability 0.0: checks for GPU kernels fail with their own message."""
+    return (0, 0)
+
+
+def _cpu_rng_state(*a: Any, **k: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state: torch.Tensor, *a: Any, **k: Any) -> None:
+    torch.set_rng_state(state)
+
+
+def _cpu_stream(*a: Any, **k: Any) -> _Stream:
+    return _Stream()
+
+
+def _no_stream_context(*a: Any, **k: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+_NO_GENERATORS: tuple = ()
+
+
+def _no_te_general_gemm(original: Any, context: Any = None) -> Any:
+    """Without transformer-engine ``moe_utils.te_general_gemm`` is never bound, yet the router reads it."""
+    return None if original is patching.MISSING else patching.KEEP
 
 
 def install_cpu_patches() -> None:
-    """Apply every CPU patch (idempotent). Call before building Megatron models."""
-    if "mode" in _INSTALLED:
+    """Apply every CPU patch (``patches.CPU_CORE``; idempotent). Call before building Megatron models."""
+    if _MODE:
         return
-    c = torch.cuda
-    _patch(c, "current_device", lambda: "cpu")
-    _patch(c, "device_count", lambda: 1)
-    _patch(c, "set_device", lambda *a, **k: None)
-    _patch(c, "get_rng_state", lambda *a, **k: torch.get_rng_state())
-    _patch(c, "set_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
-    _patch(c, "manual_seed", lambda seed: None)
-    _patch(c, "manual_seed_all", lambda seed: None)
-    _patch(c, "synchronize", lambda *a, **k: None)
-    _patch(c, "empty_cache", lambda *a, **k: None)
-    _patch(c, "Stream", _Stream)
-    _patch(c, "Event", _Event)
-    _patch(c, "current_stream", lambda *a, **k: _Stream())
-    _patch(c, "default_stream", lambda *a, **k: _Stream())
-    _patch(c, "stream", lambda *a, **k: contextlib.nullcontext())
-    for report in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
-        _patch(c, report, lambda *a, **k: 0)  # Megatron-LM's memory reports: nothing on a GPU
-    _patch(c, "memory_stats", lambda *a, **k: {})
-    # No GPU: compute capability 0.0, so checks for GPU kernels fail with their own message.
-    _patch(c, "get_device_capability", lambda *a, **k: (0, 0))
-    _patch(c, "default_generators", ())
-
-    import megatron.core.tensor_parallel.random as tp_random
-
-    _patch(tp_random, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
-    _patch(tp_random, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
-
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        # Without transformer-engine this name is never bound, yet the router reads it.
-        _patch(moe_utils, "te_general_gemm", None)
-
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    _INSTALLED_ORIGINALS.setdefault(
-        "_set_main_param_and_optimizer_states", DistributedOptimizer._set_main_param_and_optimizer_states
-    )
-    _patch(DistributedOptimizer, "_set_main_param_and_optimizer_states", _set_states_keeping_step)
-    from megatron.core.optimizer import distrib_optimizer
-
-    if not getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
-        _INSTALLED_ORIGINALS.setdefault("sharded_state_dict", DistributedOptimizer.sharded_state_dict)
-        _patch(DistributedOptimizer, "sharded_state_dict", _sharded_state_dict_loadable)
-
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-    _patch(FullyShardedDataParallel, "__init__", _fsdp_on_cpu(FullyShardedDataParallel.__init__))
-    # It then warns on every rank that the module's device (cpu) is not cuda:0.
+    patching.install(patches.CPU_CORE)
+    # Megatron-FSDP then warns on every rank that the module's device (cpu) is not cuda:0.
     logging.getLogger("megatron.core.distributed.fsdp.src.megatron_fsdp.megatron_fsdp").setLevel(logging.ERROR)
-
     mode = CudaToCpuMode()
     mode.__enter__()
-    _INSTALLED["mode"] = mode
+    _MODE["mode"] = mode
 
 
 def uninstall_cpu_patches() -> None:
     """Undo ``install_cpu_patches`` (used by tests that check for side effects)."""
-    mode = _INSTALLED.pop("mode", None)
+    mode = _MODE.pop("mode", None)
     if mode is not None:
         mode.__exit__(None, None, None)
-    for key, (obj, name, old) in list(_INSTALLED.items()):
-        if old is None:
-            with contextlib.suppress(AttributeError):
-                delattr(obj, name)
-        else:
-            setattr(obj, name, old)
-        del _INSTALLED[key]
+    patching.install(patches.CPU_CORE).undo()
 
 
 @contextlib.contextmanager
@@ -281,7 +295,7 @@ def cpu_patches():
 
 
 def patches_installed() -> bool:
-    return "mode" in _INSTALLED
+    return bool(_MODE)
 
 
 def free_port() -> int:
@@ -325,23 +339,18 @@ def plain_fused_functions() -> Iterator[None]:
     if use_cuda() or compiles_on_cpu() or "megatron.core" in sys.modules:
         yield
         return
-    compile_ = torch.compile
-
-    def plain(model=None, **kwargs):
-        return model if model is not None else (lambda fn: fn)
-
-    torch.compile = plain
-    try:
+    with patching.scoped(patches.PLAIN_COMPILE_SCOPE):
         yield
-    finally:
-        torch.compile = compile_
+
+
+def _plain_compile(model=None, **kwargs):
+    """``torch.compile`` that compiles nothing: the function itself, or a decorator returning it."""
+    return model if model is not None else (lambda fn: fn)
 
 
 # --------------------------------------------------------------------------------------
 # Megatron-LM's training code on the CPU
 # --------------------------------------------------------------------------------------
-
-_APPLIED: Dict[str, Any] = {}
 
 
 def use_cuda() -> bool:
@@ -361,31 +370,29 @@ def helpers_compiled() -> bool:
 def skip_helpers_build() -> None:
     """``initialize_megatron`` runs ``compile_helpers()`` (``make``) on rank 0, but the wheel
     ships the compiled ``helpers_cpp`` without its Makefile: skip the build when it imports."""
-    import megatron.core.datasets.utils as dataset_utils
+    patching.install(patches.WHEEL)
 
-    if "compile_helpers" in _APPLIED or not helpers_compiled():
-        return
-    original = dataset_utils.compile_helpers
-    _APPLIED["compile_helpers"] = original
+
+def _compile_helpers_unless_compiled(original: Any, context: Any = None) -> Any:
+    if not helpers_compiled():
+        return patching.KEEP
 
     @functools.wraps(original)
     def compile_helpers() -> None:
         if not helpers_compiled():
             original()
 
-    dataset_utils.compile_helpers = compile_helpers
+    return compile_helpers
 
 
 def allow_cpu_initialization() -> None:
     """``pretrain`` calls ``initialize_megatron(allow_no_cuda=True)`` (Megatron's own switch
     past its ``torch.cuda.is_available()`` assert)."""
-    import megatron.training.training as training
+    patching.install(patches.CPU_INITIALIZATION)
 
-    if "initialize_megatron" in _APPLIED:
-        return
-    original = training.initialize_megatron
-    _APPLIED["initialize_megatron"] = original
-    training.initialize_megatron = functools.wraps(original)(functools.partial(original, allow_no_cuda=True))
+
+def _allow_no_cuda(original: Any, context: Any = None) -> Any:
+    return functools.wraps(original)(functools.partial(original, allow_no_cuda=True))
 
 
 def no_device_architecture() -> None:
@@ -394,40 +401,37 @@ def no_device_architecture() -> None:
     check then requires ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (an ordering of GPU kernels, moot
     here) and Megatron-FSDP requires it unset or > 1: when validation starts, set it
     (unless set) without Megatron-FSDP, unset it with."""
-    import megatron.training.arguments as arguments
+    patching.install(patches.CPU_DEVICE_ARCHITECTURE)
 
-    if "get_device_arch_version" not in _APPLIED:
-        _APPLIED["get_device_arch_version"] = arguments.get_device_arch_version
-        arguments.get_device_arch_version = lambda: 0
-        original = arguments.validate_args
 
-        @functools.wraps(original)
-        def validate_args(args, *a, **kw):
-            if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
-                os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # orders no GPU kernels here
-            else:
-                os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-            return original(args, *a, **kw)
+def _max_connections_for_the_engine(original: Any, context: Any = None) -> Any:
+    """``validate_args`` with ``CUDA_DEVICE_MAX_CONNECTIONS`` set as :func:`no_device_architecture` says."""
 
-        arguments.validate_args = validate_args
+    @functools.wraps(original)
+    def validate_args(args, *a, **kw):
+        if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+            os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)  # orders no GPU kernels here
+        else:
+            os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        return original(args, *a, **kw)
+
+    return validate_args
 
 
 def no_premul_sum() -> None:
     """Megatron-FSDP divides gradients inside the reduction (``ReduceOp.PREMUL_SUM``), which
     only NCCL has: on gloo it divides first (``--no-gradient-reduce-div-fusion``), set when
     validation starts."""
-    import megatron.training.arguments as arguments
+    patching.install(patches.CPU_NO_PREMUL_SUM)
 
-    if "validate_args" in _APPLIED:
-        return
-    original = _APPLIED["validate_args"] = arguments.validate_args
 
+def _no_gradient_reduce_div_fusion(original: Any, context: Any = None) -> Any:
     @functools.wraps(original)
     def validate_args(args, *a, **kw):
         args.gradient_reduce_div_fusion = False
         return original(args, *a, **kw)
 
-    arguments.validate_args = validate_args
+    return validate_args
 
 
 def jit_warmup_keeps_the_rng() -> None:
@@ -437,12 +441,10 @@ def jit_warmup_keeps_the_rng() -> None:
     initializes the MoE routers' weights (created on the CPU, outside the tracker's fork): the
     warm-up made them depend on the context-parallel size (CP2 started from other routers than
     DP2). It now leaves the CPU generator as it found it, as a GPU's warm-up does."""
-    import megatron.training.initialize as initialize
+    patching.install(patches.CPU_JIT_WARMUP)
 
-    if "_warmup_jit_function" in _APPLIED:
-        return
-    original = _APPLIED["_warmup_jit_function"] = initialize._warmup_jit_function
 
+def _warmup_keeping_the_rng(original: Any, context: Any = None) -> Any:
     @functools.wraps(original)
     def warmup(*a, **kw):
         state = torch.get_rng_state()
@@ -451,7 +453,7 @@ def jit_warmup_keeps_the_rng() -> None:
         finally:
             torch.set_rng_state(state)
 
-    initialize._warmup_jit_function = warmup
+    return warmup
 
 
 def quiet_cpu_rng_warning() -> None:

@@ -6,12 +6,12 @@ inside ``finalize_model_grads``, before the optimizer decides whether the step i
 step still changed the model, and a checkpoint saved when the job stops holds a bias no
 step produced. Here Megatron-core's update is computed where it always was (its own code,
 its collectives), kept aside, and applied after Megatron-LM's ``train_step`` returns, only
-when the step was taken.
+when the step was taken (``patches.EXPERT_BIAS``; their context's ``expert_bias`` is one
+:class:`PendingExpertBias`).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, List, Tuple
 
 import torch
@@ -39,7 +39,9 @@ def _expert_biases(model) -> List[torch.Tensor]:
     ]
 
 
-def _wrap_update_router_expert_bias(original: Callable, pending: PendingExpertBias) -> Callable:
+def _wrap_update_router_expert_bias(original: Callable, context: Any) -> Callable:
+    pending: PendingExpertBias = context.expert_bias
+
     def update_router_expert_bias(model, *a, **kw):
         biases = _expert_biases(model)
         before = [b.detach().clone() for b in biases]
@@ -53,7 +55,9 @@ def _wrap_update_router_expert_bias(original: Callable, pending: PendingExpertBi
     return update_router_expert_bias
 
 
-def _wrap_train_step(original: Callable, pending: PendingExpertBias) -> Callable:
+def _wrap_train_step(original: Callable, context: Any) -> Callable:
+    pending: PendingExpertBias = context.expert_bias
+
     def train_step(*a, **kw):
         pending.updates = []
         out = original(*a, **kw)
@@ -65,18 +69,3 @@ def _wrap_train_step(original: Callable, pending: PendingExpertBias) -> Callable
 
     train_step.__wrapped__ = original  # type: ignore[attr-defined]
     return train_step
-
-
-def expert_bias_patches(training: Any) -> List[Tuple[Any, str, Any, Any]]:
-    """``(module, name, original, wrapper)`` for Megatron-core's expert-bias update and
-    Megatron-LM's ``train_step`` (``training``: ``megatron.training.training``)."""
-    # The package exports a function of the module's name, so `import ... as` gives the function.
-    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
-    update, step = finalize._update_router_expert_bias, training.train_step
-    if hasattr(update, "__megatron_muon_undo__") or hasattr(step, "__megatron_muon_undo__"):
-        return []
-    pending = PendingExpertBias()
-    return [
-        (finalize, "_update_router_expert_bias", update, _wrap_update_router_expert_bias(update, pending)),
-        (training, "train_step", step, _wrap_train_step(step, pending)),
-    ]

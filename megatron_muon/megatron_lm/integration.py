@@ -32,12 +32,14 @@ import re
 import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from megatron_muon import patching
 from megatron_muon.config import SCALAR_OPTIMIZERS, SCALE_MODES, TP_MODES, MuonConfig
 from megatron_muon.factory import get_muon_optimizer
 from megatron_muon.storage import DistributedOptimizerStorage, MegatronFSDPStorage
 from megatron_muon.storage.megatron_fsdp import check_megatron_fsdp, fix_gradient_accumulation_on_single_rank_groups
 
-from . import muon_args
+from . import muon_args, patches
+from .patches import ITERATION_LINE_SCOPE, VALIDATION_SCOPE
 
 __all__ = ["use_megatron_muon", "add_muon_arguments", "muon_config_from_megatron", "check_supported"]
 
@@ -270,7 +272,7 @@ def _check_megatron_choices(args: argparse.Namespace) -> None:
             )
 
 
-def _wrap_add_megatron_arguments(original: Callable, module: Any) -> Callable:
+def _wrap_add_megatron_arguments(original: Callable, installed: "_Installation") -> Callable:
     return functools.wraps(original)(lambda parser, *a, **kw: add_muon_arguments(original(parser, *a, **kw)))
 
 
@@ -283,17 +285,24 @@ def _as_ours(args: argparse.Namespace) -> None:
 
 
 class _Installation:
-    """What one ``use_megatron_muon()`` shares between its wrappers: the ``MuonConfig`` its
-    ``validate_args`` built from the arguments (the only place one is built from them) and
-    the optimizer its ``get_megatron_optimizer`` built, which its ``clip_qk`` asks for the
-    max logit."""
+    """What one ``use_megatron_muon()`` shares between its wrappers (the context of its
+    ``patching`` layer): the modules it patches, the ``MuonConfig`` its ``validate_args``
+    built from the arguments (the only place one is built from them), the optimizer its
+    ``get_megatron_optimizer`` built, which its ``clip_qk`` asks for the max logit, and the
+    state of the checkpoint and expert-bias wrappers."""
 
-    def __init__(self) -> None:
+    def __init__(self, arguments: types.ModuleType, training: types.ModuleType) -> None:
+        from .checkpoint_guards import CheckpointGuards
+        from .expert_bias import PendingExpertBias
+
+        self.arguments, self.training = arguments, training
         self.muon_config: Optional[MuonConfig] = None
         self.optimizer: Optional[Any] = None
+        self.checkpoint_guards = CheckpointGuards()
+        self.expert_bias = PendingExpertBias()
 
 
-def _wrap_validate_args(original: Callable, module: Any, installed: _Installation) -> Callable:
+def _wrap_validate_args(original: Callable, installed: _Installation) -> Callable:
     """Megatron's checks as for its DistributedOptimizer (``muon`` would select its LayerWise
     one), ours before them, ``optimizer='muon'`` again after."""
 
@@ -306,17 +315,14 @@ def _wrap_validate_args(original: Callable, module: Any, installed: _Installatio
         check_supported(args)
         # validate_args ends by printing the arguments (hundreds of lines): printed once our
         # checks below have passed (a bad --muon-* value is then the last line), showing what runs.
-        print_args = getattr(module, "_print_args", None)
+        print_args = getattr(installed.arguments, "_print_args", None)
         deferred: List[Tuple[tuple, dict]] = []
         args.optimizer = "adam"
-        if print_args is not None:
-            module._print_args = lambda *pa, **pkw: deferred.append((pa, pkw))
         try:
-            result = original(args, *a, **kw)
+            with patching.scoped(VALIDATION_SCOPE, deferred, {VALIDATION_SCOPE[0].target: installed.arguments}):
+                result = original(args, *a, **kw)
         finally:
             _as_ours(args)
-            if print_args is not None:
-                module._print_args = print_args
         args.use_layer_wise_distributed_optimizer = False
         if not args.use_distributed_optimizer:  # e.g. --freeze-all-layers switches it off
             raise ValueError(
@@ -332,6 +338,11 @@ def _wrap_validate_args(original: Callable, module: Any, installed: _Installatio
     return validate_args
 
 
+def _held_listing(original: Callable, held: List[Tuple[tuple, dict]]) -> Callable:
+    """Megatron-LM's ``_print_args`` that holds its calls in ``held`` (printed later)."""
+    return lambda *a, **kw: held.append((a, kw))
+
+
 def _global_args(module: Any) -> Optional[argparse.Namespace]:
     """Megatron-LM's global arguments, or None where they were never set."""
     try:
@@ -340,7 +351,7 @@ def _global_args(module: Any) -> Optional[argparse.Namespace]:
         return None
 
 
-def _wrap_clip_qk(original: Callable, module: Any, installed: _Installation) -> Callable:
+def _wrap_clip_qk(original: Callable, installed: _Installation) -> Callable:
     """With our optimizer: report our step's max logit instead of clipping again. With any
     other and ``--log-max-attention-logit`` only: measure it with our ``QKClip`` (Megatron's
     ``clip_qk`` assumes a ``Float16Module`` and fails on an fp32 model); clipping with another
@@ -383,7 +394,7 @@ def measure_next_step(args: argparse.Namespace, optimizer: Any, iteration: int) 
     return any((iteration + lag) % interval == 0 for lag in range(1, later + 1))
 
 
-def _wrap_training_log(original: Callable, module: Any, installed: _Installation) -> Callable:
+def _wrap_training_log(original: Callable, installed: _Installation) -> Callable:
     """Megatron-LM's log, then Muon's numbers (``MuonChainedOptimizer.log_statistics``) as
     TensorBoard scalars ``muon/...`` at every ``--tensorboard-log-interval`` (with
     ``--tensorboard-dir``), and as W&B ones with ``--wandb-project``; the update RMS is
@@ -397,7 +408,7 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
     without resetting its loss sums (so that an interval's average holds all of its
     iterations), and at a logged iteration the next line then averaged two iterations (a
     resumed run's second loss was not the uninterrupted run's)."""
-    signature = inspect.signature(original)
+    signature, module = inspect.signature(original), installed.training
 
     @functools.wraps(original)
     def training_log(*a, **kw):
@@ -433,24 +444,25 @@ def _wrap_training_log(original: Callable, module: Any, installed: _Installation
 def _max_logit_in_the_iteration_line(module: Any, args: Optional[argparse.Namespace], value: Optional[float]):
     """With --qk-clip or --log-max-attention-logit, Megatron-LM's console line of an iteration
     gets ``max attention logit: X |`` (it writes the number to TensorBoard only)."""
-    original = getattr(module, "print_rank_last", None)
-    if original is None or args is None or value is None or not (args.qk_clip or args.log_max_attention_logit):
+    if args is None or value is None or not (args.qk_clip or args.log_max_attention_logit):
         yield
         return
+    with patching.scoped(ITERATION_LINE_SCOPE, value, {ITERATION_LINE_SCOPE[0].target: module}):
+        yield
+
+
+def _line_with_max_logit(original: Callable, value: float) -> Callable:
+    """``print_rank_last`` adding ``max attention logit: value |`` to an iteration's line."""
 
     def print_rank_last(message, *a, **kw):
         if isinstance(message, str) and " iteration " in message and message.rstrip().endswith("|"):
             message = f"{message} max attention logit: {float(value):.3f} |"
         return original(message, *a, **kw)
 
-    module.print_rank_last = print_rank_last
-    try:
-        yield
-    finally:
-        module.print_rank_last = original
+    return print_rank_last
 
 
-def _wrap_calc_params_l2_norm(original: Callable, module: Any, installed: _Installation) -> Callable:
+def _wrap_calc_params_l2_norm(original: Callable, installed: _Installation) -> Callable:
     """``--log-params-norm`` reads every parameter right after the step: with
     ``--muon-step-overlap forward`` the step is finished first (for that iteration it then
     overlaps nothing)."""
@@ -465,9 +477,9 @@ def _wrap_calc_params_l2_norm(original: Callable, module: Any, installed: _Insta
     return calc_params_l2_norm
 
 
-def _wrap_get_megatron_optimizer(original: Callable, module: Any, installed: _Installation) -> Callable:
+def _wrap_get_megatron_optimizer(original: Callable, installed: _Installation) -> Callable:
     """Ours for ``--optimizer muon --muon-impl megatron_muon``, Megatron's otherwise."""
-    signature = inspect.signature(original)
+    signature, module = inspect.signature(original), installed.training
 
     @functools.wraps(original)
     def get_megatron_optimizer(config, model_chunks, *a, **kw):
@@ -556,7 +568,7 @@ def _owner_aligned_ddp(ddp_class: Callable, installed: _Installation) -> Callabl
     return distributed_data_parallel
 
 
-def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any, installed: _Installation) -> Callable:
+def _wrap_wrap_model_chunks_with_ddp(original: Callable, installed: _Installation) -> Callable:
     """``get_model``'s path: with our layout, hand it a ``DP`` that builds it (Megatron-LM then
     computes no layout of its own)."""
     from megatron.core.distributed import DistributedDataParallel
@@ -574,82 +586,30 @@ def _wrap_wrap_model_chunks_with_ddp(original: Callable, module: Any, installed:
     return wrap_model_chunks_with_ddp
 
 
-def _wraps(function: Any, wrapper: Callable) -> bool:
-    """Whether ``function`` is ``wrapper`` or a ``functools.wraps`` layer over it."""
-    while function is not None:
-        if function is wrapper:
-            return True
-        function = getattr(function, "__wrapped__", None)
-    return False
-
-
 def use_megatron_muon(
     arguments_module: Optional[types.ModuleType] = None, training_module: Optional[types.ModuleType] = None
 ) -> Callable[[], None]:
-    """Install the patches (see the module docstring); returns a function undoing them.
+    """Install the patches (``patches.MEGATRON_LM``; see the module docstring); returns a
+    function undoing them.
 
-    The modules default to ``megatron.training.arguments`` / ``megatron.training.training``.
-    Calling it again while installed changes nothing (and returns the same undo function).
+    The modules default to ``megatron.training.arguments`` / ``megatron.training.training``
+    (stand-ins get the argument and optimizer wrappers, and the checkpoint ones of Megatron-LM's
+    ``checkpointing`` module). Calling it again while installed changes nothing (and returns
+    the same undo function).
     """
-    if arguments_module is None or training_module is None:
-        import megatron.training.arguments as real_arguments
-        import megatron.training.training as real_training
+    import megatron.training.arguments as real_arguments
+    import megatron.training.training as real_training
 
-        arguments_module = arguments_module or real_arguments
-        training_module = training_module or real_training
-    existing = getattr(training_module.get_megatron_optimizer, "__megatron_muon_undo__", None)
-    if existing is not None:
-        return existing
-    installed = _Installation()
-    wrappers = (
-        (arguments_module, "add_megatron_arguments", _wrap_add_megatron_arguments),
-        (arguments_module, "validate_args", functools.partial(_wrap_validate_args, installed=installed)),
-        (
-            training_module,
-            "get_megatron_optimizer",
-            functools.partial(_wrap_get_megatron_optimizer, installed=installed),
-        ),
-        (training_module, "clip_qk", functools.partial(_wrap_clip_qk, installed=installed)),
-        (training_module, "training_log", functools.partial(_wrap_training_log, installed=installed)),
-        (training_module, "calc_params_l2_norm", functools.partial(_wrap_calc_params_l2_norm, installed=installed)),
-        (
-            training_module,
-            "wrap_model_chunks_with_ddp",
-            functools.partial(_wrap_wrap_model_chunks_with_ddp, installed=installed),
-        ),
-    )
-    patches: List[Tuple[Any, str, Callable, Callable]] = [
-        (module, name, getattr(module, name), wrap(getattr(module, name), module))
-        for module, name, wrap in wrappers
-        if hasattr(module, name)
-    ]
-    if training_module.__name__ == "megatron.training.training":
-        import megatron.training.models.dist_utils as dist_utils  # the model-config path's DDP
-
-        ddp_class = dist_utils.DistributedDataParallel  # looked up by _ddp_wrap at call time
-        patches.append((dist_utils, "DistributedDataParallel", ddp_class, _owner_aligned_ddp(ddp_class, installed)))
-    from .checkpoint_guards import checkpoint_patches  # atomic, verified saves and loads in Megatron-LM's
-
-    real = training_module.__name__ == "megatron.training.training"
-    patches += checkpoint_patches(training_module if real else None)
+    arguments_module = arguments_module or real_arguments
+    training_module = training_module or real_training
+    real = training_module is real_training
+    owners: Dict[str, Any] = {patches.ARGUMENTS: arguments_module, patches.TRAINING: training_module}
+    rows = patches.MEGATRON_LM
+    if not real:
+        owners[patches.DDP_BUILDER] = None  # the stand-ins build no model
+        rows = tuple(p for p in rows if p not in patches.EXPERT_BIAS)
+    layer = patching.install(rows, _Installation(arguments_module, training_module), owners)
     if real:
-        from .expert_bias import expert_bias_patches  # a skipped step leaves the router's bias too
-
-        patches += expert_bias_patches(training_module)
         # A Megatron-FSDP defect fix, for every optimizer; kept when the rest is undone.
         fix_gradient_accumulation_on_single_rank_groups()
-
-    def undo() -> None:
-        """Restore Megatron-LM's functions that carry our wrapper, with any layer stacked on it
-        since (``launch.install_launch_validation``'s, which is installed again with ours): a
-        wrapper left under another layer would stay in force and a later install would wrap
-        it twice."""
-        for module, name, original, wrapper in patches:
-            if _wraps(getattr(module, name), wrapper):
-                setattr(module, name, original)
-        installed.optimizer = installed.muon_config = None
-
-    for module, name, _, wrapper in patches:
-        wrapper.__megatron_muon_undo__ = undo  # type: ignore[attr-defined]
-        setattr(module, name, wrapper)
-    return undo
+    return layer.undo

@@ -19,12 +19,13 @@ import shlex
 import sys
 import traceback
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from megatron_muon import patching
 from megatron_muon.checkpoint.errors import CheckpointError, CheckpointIntegrityError
 from megatron_muon.checkpoint.reading import bounded
 
-from . import corpus, cpu, recipes, resume
+from . import corpus, cpu, patches, recipes, resume
 from .checkpoint_dirs import (
     holds_a_run,
     iteration_dir_name,
@@ -248,36 +249,44 @@ def install_launch_validation() -> None:
     attention. Megatron-LM refuses those flags without transformer-engine >= 2.9 (TE's
     attention records the max logits); our local layer spec's ``RecordingDotProductAttention``
     records them too, so with ``--transformer-impl local`` (and no ``--spec`` of the user's)
-    they are hidden from that one check and restored after it."""
-    import megatron.training.arguments as arguments
+    they are hidden from that one check and restored after it (``patches.LAUNCH``; it sits
+    above ``use_megatron_muon``'s validation whatever order they are installed in)."""
+    patching.install(patches.LAUNCH)
 
-    inner = arguments.validate_args
-    if getattr(inner, "__megatron_muon_launch__", False):
-        return
+
+def _wrap_validate_args(inner: Callable, context: Any = None) -> Callable:
+    """Megatron-LM's ``validate_args`` after :func:`check_values`, with QK-Clip's flags hidden
+    from its transformer-engine check when our recording attention runs
+    (:func:`install_launch_validation`)."""
 
     @functools.wraps(inner)
     def validate_args(args, *a, **kw):
         check_values(args)
-        ours = args.transformer_impl == "local" and args.spec is None
-        saved = (args.qk_clip, args.log_max_attention_logit)
-        print_args = arguments._print_args
-
-        def restored_then_printed(*pa, **pkw):  # the argument listing shows what runs
-            args.qk_clip, args.log_max_attention_logit = saved
-            print_args(*pa, **pkw)
-
-        if ours:
-            args.qk_clip = args.log_max_attention_logit = False
-            arguments._print_args = restored_then_printed
-        try:
+        if not (args.transformer_impl == "local" and args.spec is None):
             return inner(args, *a, **kw)
-        finally:
-            if ours:
-                args.qk_clip, args.log_max_attention_logit = saved
-                arguments._print_args = print_args
+        saved = (args.qk_clip, args.log_max_attention_logit)
 
-    validate_args.__megatron_muon_launch__ = True
-    arguments.validate_args = validate_args
+        def restore() -> None:  # the argument listing shows what runs
+            args.qk_clip, args.log_max_attention_logit = saved
+
+        args.qk_clip = args.log_max_attention_logit = False
+        try:
+            with patching.scoped(patches.RESTORED_LISTING_SCOPE, restore):
+                return inner(args, *a, **kw)
+        finally:
+            restore()
+
+    return validate_args
+
+
+def _restored_then_printed(print_args: Callable, restore: Callable[[], None]) -> Callable:
+    """Megatron-LM's ``_print_args`` after ``restore()`` (the flags hidden from validation)."""
+
+    def restored_then_printed(*a, **kw):
+        restore()
+        return print_args(*a, **kw)
+
+    return restored_then_printed
 
 
 def parse_and_validate(argv: Sequence[str]) -> argparse.Namespace:
@@ -318,11 +327,8 @@ def _listing_last():
     import megatron.training.arguments as arguments
 
     original, held = arguments._print_args, []
-    arguments._print_args = lambda *a, **kw: held.append((a, kw))
-    try:
+    with patching.scoped(patches.LISTING_SCOPE, held):
         yield lambda: [original(*a, **kw) for a, kw in held]
-    finally:
-        arguments._print_args = original
 
 
 @contextlib.contextmanager
@@ -330,9 +336,12 @@ def _checked_after_parsing(*checks):
     """Inside the block, Megatron-LM's ``parse_args`` runs ``checks`` on what it parsed, before
     Megatron-LM's validation (which fails on some of the same flags without naming the fix,
     and sets its global arguments)."""
-    import megatron.training.arguments as arguments
+    with patching.scoped(patches.PARSE_SCOPE, checks):
+        yield
 
-    original = arguments.parse_args
+
+def _parse_args_then_checks(original: Callable, checks: Sequence[Callable]) -> Callable:
+    """Megatron-LM's ``parse_args``, then each of ``checks`` on what it parsed."""
 
     @functools.wraps(original)
     def parse_args(*a, **kw):
@@ -341,11 +350,7 @@ def _checked_after_parsing(*checks):
             check(args)
         return args
 
-    arguments.parse_args = parse_args
-    try:
-        yield
-    finally:
-        arguments.parse_args = original
+    return parse_args
 
 
 TOKENIZER_PACKAGES = {

@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 from multiprocessing.managers import SyncManager
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable
 
 _PR_SET_PDEATHSIG = 1
 _fork_hook_installed = False
@@ -63,9 +63,12 @@ def die_with_this_process() -> Callable[[], None]:
 def tie_children_to_this_process() -> None:
     """For a tool's process (the converter): processes it forks and Megatron-core's
     checkpoint writers' manager end with it."""
+    from megatron_muon import patching
+
+    from .patches import WRITER_QUEUE
+
     tie_forked_children_to_this_process()
-    for owner, name, _, replacement in writer_process_patches():
-        setattr(owner, name, replacement)
+    patching.install(WRITER_QUEUE)
 
 
 def _before_fork() -> None:
@@ -90,11 +93,13 @@ def tie_forked_children_to_this_process() -> None:
         _fork_hook_installed = True
 
 
-def _write_results_queue_dying_with_this_rank(filesystem_async: Any):
+def _write_results_queue_dying_with_this_rank(original: Any, context: Any = None):
     """Megatron-core's ``get_write_results_queue``, whose manager process dies with the rank.
     On Linux the manager is forked whatever ``mp_mode`` asks: spawned, it imports the training
     script again (seconds and hundreds of MB per rank) only to serve one queue; it touches
-    no GPU, so forking it is safe."""
+    no GPU, so forking it is safe. (Restates Megatron-core's function, its module-level cache
+    included: ``patches.WRITER_QUEUE`` holds the source fingerprint it was written against.)"""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def get_write_results_queue(mp_mode: str = "spawn"):
         if filesystem_async._results_queue is None:
@@ -104,22 +109,5 @@ def _write_results_queue_dying_with_this_rank(filesystem_async: Any):
             filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
         return filesystem_async._results_queue
 
-    get_write_results_queue.__wrapped__ = filesystem_async.get_write_results_queue  # type: ignore[attr-defined]
+    get_write_results_queue.__wrapped__ = original  # type: ignore[attr-defined]
     return get_write_results_queue
-
-
-def writer_process_patches() -> List[Tuple[Any, str, Any, Any]]:
-    """``(module, name, original, replacement)`` for Megatron-core's write-results queue."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    original = filesystem_async.get_write_results_queue
-    if hasattr(original, "__megatron_muon_undo__"):
-        return []
-    return [
-        (
-            filesystem_async,
-            "get_write_results_queue",
-            original,
-            _write_results_queue_dying_with_this_rank(filesystem_async),
-        )
-    ]

@@ -99,15 +99,15 @@ def _rank_main(
     stacks = open(os.path.join(outdir, f"stacks{rank}"), "w")
     faulthandler.dump_traceback_later(max(1.0, 0.9 * collective_timeout_s), file=stacks)
     try:
+        from megatron_muon import patching
         from megatron_muon.megatron_lm.cpu import install_cpu_patches
-        from megatron_muon.megatron_lm.process_lifetime import writer_process_patches
+        from megatron_muon.megatron_lm.patches import WRITER_QUEUE
 
         install_cpu_patches()
         # As in the main job: Megatron-core's checkpoint writers report to a manager process
         # forked from the rank, not spawned (a spawned one imports torch again to unpickle the
         # first result: about 5 s of CPU per saving rank).
-        for owner, name, _, replacement in writer_process_patches():
-            setattr(owner, name, replacement)
+        patching.install(WRITER_QUEUE)
         import datetime
 
         from megatron.core import parallel_state

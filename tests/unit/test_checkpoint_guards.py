@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import types
 from pathlib import Path
 from unittest import mock
 
@@ -177,7 +178,7 @@ def test_expert_bias_moves_only_with_a_step_taken():
     def megatron_update(model, config):  # Megatron-core's in-place update
         router.expert_bias.add_(1.0)
 
-    update = _wrap_update_router_expert_bias(megatron_update, pending)
+    update = _wrap_update_router_expert_bias(megatron_update, types.SimpleNamespace(expert_bias=pending))
     for skipped, should_exit, expected in ((1, False, 0.0), (0, True, 0.0), (0, False, 1.0), (0, False, 2.0)):
 
         def megatron_train_step():
@@ -185,7 +186,7 @@ def test_expert_bias_moves_only_with_a_step_taken():
             assert router.expert_bias.eq(expected - (not skipped and not should_exit)).all()  # not yet
             return {}, skipped, False, should_exit, 0, None, None, 0
 
-        _wrap_train_step(megatron_train_step, pending)()
+        _wrap_train_step(megatron_train_step, types.SimpleNamespace(expert_bias=pending))()
         assert router.expert_bias.eq(expected).all(), (skipped, should_exit, router.expert_bias)
 
 
