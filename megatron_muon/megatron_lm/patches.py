@@ -119,7 +119,7 @@ CHECKPOINTS: Tuple[Patch, ...] = (
     Patch(
         _CKPT,
         "dist_checkpointing",
-        f"{_C}:GuardedDistCheckpointing",
+        f"{_C}:_guarded_dist_checkpointing",
         "a torch_dist save is staged, carries a manifest, is verified and swapped into place",
         MCORE,
     ),
