@@ -122,7 +122,7 @@ class _Slot:
         value = self.value
         for patch in sorted(self.holders, key=lambda p: p.stack):
             layer = self.holders[patch][0]
-            built = patch.build(value, layer.context)
+            built = layer.built_on(patch, value)
             if built is not KEEP:
                 value = built
                 if patch.builds:  # a function made for this layer: it names the undo
@@ -150,6 +150,10 @@ class Layer:
         self.held = False
         self.depth = 0
         self.slots: List[Tuple[Patch, _Slot]] = []
+        # What each row built on what it wrapped: a slot rebuilt when another layer comes or
+        # goes wraps the same value again and gets the same function back, so a layer's
+        # departure restores the functions in force before it by identity.
+        self._built: Dict[Tuple[Patch, int], Tuple[Any, Any]] = {}
 
         def undo() -> None:
             """Remove this layer's patches (a no-op once removed)."""
@@ -159,6 +163,13 @@ class Layer:
                     self._remove()
 
         self.undo = undo
+
+    def built_on(self, patch: Patch, value: Any) -> Any:
+        """``patch``'s replacement for ``value`` in this layer (built once per ``value``)."""
+        kept = self._built.get((patch, id(value)))
+        if kept is None or kept[0] is not value:
+            kept = self._built[(patch, id(value))] = (value, patch.build(value, self.context))
+        return kept[1]
 
     @property
     def active(self) -> bool:

@@ -30,6 +30,21 @@ from tests.helpers import REPO
 PACKAGE = REPO / "megatron_muon"
 
 
+@pytest.fixture(autouse=True)
+def nothing_in_force():
+    """Each test starts with Megatron's own functions: layers an earlier test left in force
+    (``validated_args`` installs the argument layers for the process) are set aside for the
+    test and put back after it."""
+    with patching._lock:
+        aside = list(patching._layers.values())
+        for layer in aside:
+            layer._remove()
+    yield
+    with patching._lock:
+        for layer in aside:
+            layer._add()
+
+
 # ---------------------------------------------------------------------------------------
 # The table against the installed Megatron
 # ---------------------------------------------------------------------------------------

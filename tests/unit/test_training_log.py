@@ -27,6 +27,6 @@ def test_the_first_log_line_at_a_logged_iteration_resets_the_loss_sums(log_inter
 
     args = argparse.Namespace(log_interval=log_interval, tensorboard_dir=None)
     module = types.SimpleNamespace(get_args=lambda: args)
-    wrapper = _wrap_training_log(training_log, module, _Installation())
+    wrapper = _wrap_training_log(training_log, _Installation(arguments=None, training=module))
     wrapper({}, {}, 0.1, iteration, 1.0, False, 0, None, None, None, None, is_first_iteration=first)
     assert seen == [first and not reset]
