@@ -80,12 +80,15 @@ def test_a_lost_lock_is_noticed_before_the_next_save(tmp_path):
 RACER = """
 import os, sys, time
 from megatron_muon.checkpoint import SaveDirectoryLockedError, save_lock
+open(sys.argv[2] + "." + sys.argv[3], "w").close()  # imported: ready to race
 while not os.path.exists(sys.argv[2]):
     time.sleep(0.001)
 try:
     save_lock.take(sys.argv[1], "racer")
     print("took", flush=True)
-    time.sleep(1.0)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(sys.argv[2] + ".stop") and time.monotonic() < deadline:
+        time.sleep(0.01)  # held (alive) until both have answered, however loaded the machine
 except SaveDirectoryLockedError:
     print("refused", flush=True)
 """
@@ -99,13 +102,21 @@ def test_two_takers_of_a_stale_lock_get_it_once(tmp_path):
         go = tmp_path / f"go{attempt}"
         racers = [
             subprocess.Popen(
-                [sys.executable, "-c", RACER, str(tmp_path), str(go)], cwd=REPO, stdout=subprocess.PIPE, text=True
+                [sys.executable, "-c", RACER, str(tmp_path), str(go), str(i)],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                text=True,
             )
-            for _ in range(2)
+            for i in range(2)
         ]
-        time.sleep(0.5)
+        deadline = time.monotonic() + 300
+        while not all(os.path.exists(f"{go}.{i}") for i in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # both past their imports: they race, not the first against a gone holder
         go.write_text("")
-        said = sorted(r.communicate(timeout=60)[0].strip() for r in racers)
+        said = sorted(r.stdout.readline().strip() for r in racers)
+        (tmp_path / f"go{attempt}.stop").write_text("")
+        for r in racers:
+            r.communicate(timeout=120)
         assert said == ["refused", "took"], said
     assert not [n for n in os.listdir(tmp_path) if ".stale." in n or n.startswith(f".{L.LOCK}")]
 
