@@ -654,6 +654,21 @@ def checkpoint_errors_as_one_line():
         raise SystemExit(1) from None
 
 
+@contextlib.contextmanager
+def model_mismatch_as_one_line():
+    """A setting that names what the built model does not have (a ``--muon-exclude-patterns``
+    entry that matches no parameter) ends the job with one line on rank 0 and exit code 2;
+    the check is collective, so every rank ends."""
+    from megatron_muon.matrices import UnmatchedExcludePattern
+
+    try:
+        yield
+    except UnmatchedExcludePattern as exc:
+        if _first_rank():
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
 def pretrain_script() -> Path:
     """``tools/pretrain_gpt.py``: of this source checkout, or installed beside the recipes."""
     for candidate in (
