@@ -320,3 +320,32 @@ def _straddle_start(cursor: int, numel: int, capacity: int, shards_per_node: int
 def is_owner_aligned(model_chunks: Sequence[torch.nn.Module]) -> bool:
     """Whether every DDP chunk was built with :func:`owner_aligned_param_layout`."""
     return all(isinstance(getattr(c, "full_param_layout", None), OwnerAlignedParamLayout) for c in model_chunks)
+
+
+def prefetch_param_gathers_in_forward_order(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Chain each DDP chunk's bucket groups for ``overlap_param_gather`` in the order the
+    forward first uses them, so each group's all-gather is started by the group before it.
+
+    DDP's forward pre-hook waits for a bucket group's all-gather, then starts the one of the
+    group it names next (``next_param_gather_bucket_group``). DDP names them in its
+    ``bucket_groups`` list order reversed, which is the forward's order while there is one
+    buffer. Our layout puts Muon matrices and the other parameters in buffers of their own,
+    which the forward uses interleaved: by list order the Muon buffer's first group would
+    be started only when the forward reaches it (its all-gather waited for, not overlapped),
+    and its last group would name the other buffer's first one, started long before (the
+    warning "The next bucket's parameter all-gather operation has already been
+    dispatched"). Ordered by each group's first parameter in registration order, the chain
+    follows the forward again. Dense and expert groups stay separate chains, as DDP keeps
+    them. The same all-gathers, the same bits: only when each starts changes."""
+    for chunk in model_chunks:
+        if not getattr(chunk.ddp_config, "overlap_param_gather", False):
+            continue
+        first_use: Dict[int, int] = {}
+        for index, param in enumerate(chunk.module.parameters()):
+            group = chunk.param_to_bucket_group.get(param)
+            if group is not None:
+                first_use.setdefault(id(group), index)
+        for groups in (chunk.bucket_groups, chunk.expert_parallel_bucket_groups):
+            ordered = sorted(groups, key=lambda g: first_use.get(id(g), math.inf))
+            for group, following in zip(ordered, [*ordered[1:], None]):
+                group.next_param_gather_bucket_group = following

@@ -19,7 +19,7 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .config import MuonConfig
-from .matrices import collect_muon_params
+from .matrices import check_exclude_patterns_match, collect_muon_params
 from .optimizer import MuonAdamW, MuonChainedOptimizer, MuonDistributedOptimizer
 from .pipeline import step_overlap_mode
 from .process_groups import parallel_groups
@@ -120,6 +120,7 @@ def get_muon_optimizer(
         return (parallel.expt_tp if not getattr(param, "allreduce", True) else parallel.tp).size()
 
     owner_aligned = storage.owner_aligned(config, model_chunks)
+    check_exclude_patterns_match(model_chunks, config)
     muon_params, _ = collect_muon_params(model_chunks, config, tp_size_of)
     muon_ids = {id(mp.param) for mp in muon_params}
     all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)

@@ -511,6 +511,36 @@ def is_muon_matrix(name: str, ndim: int, role: str, exclude: Sequence[str] = (),
     return router if role == "router" else True
 
 
+class UnmatchedExcludePattern(ValueError):
+    """A ``muon_exclude_patterns`` entry that names no parameter of the model."""
+
+
+def check_exclude_patterns_match(model_chunks: Sequence[torch.nn.Module], config: MuonConfig) -> None:
+    """Every ``muon_exclude_patterns`` entry matches a trainable parameter's name on some
+    rank: a pattern that matches nothing (a typo) would leave the matrices it meant to
+    exclude on Muon without a word. Each rank sees only its pipeline stage's and its expert
+    rank's parameters, so the ranks' matches are combined by an all-reduce (MAX) over the
+    default process group when there is one; every rank then raises the same error."""
+    import torch.distributed as dist
+
+    patterns = list(config.muon_exclude_patterns)
+    if not patterns:
+        return
+    params = [(n, p) for c in model_chunks for n, p in unwrap(c).named_parameters() if p.requires_grad]
+    device = params[0][1].device if params else torch.device("cpu")
+    hits = torch.tensor([any(fnmatch.fnmatch(n, pattern) for n, _ in params) for pattern in patterns], device=device)
+    hits = hits.to(torch.int32)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(hits, op=dist.ReduceOp.MAX)
+    missing = [pattern for pattern, hit in zip(patterns, hits.tolist()) if not hit]
+    if missing:
+        example = next((n for n, _ in params if ".layers." in n), params[0][0] if params else "")
+        raise UnmatchedExcludePattern(
+            f"--muon-exclude-patterns {' '.join(repr(m) for m in missing)} matches no parameter of the model "
+            f"(fnmatch on names such as {example!r}): correct the pattern or drop it"
+        )
+
+
 def is_muon_param(name: str, param: torch.nn.Parameter, module: torch.nn.Module, config: MuonConfig) -> bool:
     """Whether ``param`` is a Muon matrix (:func:`is_muon_matrix`; ``muon_param_filter``,
     if set, decides instead)."""

@@ -428,3 +428,7 @@ if __name__ == "__main__":
         sys.exit(main())
     except RuntimeError as exc:  # a training run failed: its command and last output
         sys.exit(f"compare_optimizers.py: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C: the run in progress ends with the tool (tied to it)
+        print("compare_optimizers.py: interrupted; the finished runs stay in OUT/cells, and the same command "
+              "runs only the others", file=sys.stderr)  # fmt: skip
+        sys.exit(130)

@@ -10,6 +10,11 @@ python tools/convert_checkpoint.py inspect CKPT
 
 from megatron_muon.megatron_lm import cpu
 
+if not cpu.use_cuda():
+    # Before Megatron-core is imported: its notices that transformer-engine / Apex are absent
+    # (one per module it imports) are expected without a GPU and say nothing about the checkpoint.
+    cpu.quiet_missing_extension_notices()
+
 with cpu.plain_fused_functions():  # Megatron-core's first import; the converter runs no model code
     from megatron_muon.megatron_lm.convert import main
     from megatron_muon.megatron_lm.process_lifetime import tie_children_to_this_process

@@ -38,7 +38,7 @@ if not cpu.use_cuda():
 
 with cpu.plain_fused_functions():  # Megatron-core's first import (seconds less on the CPU)
     from megatron_muon.megatron_lm import corpus
-    from megatron_muon.megatron_lm.launch import checkpoint_errors_as_one_line, prepare
+    from megatron_muon.megatron_lm.launch import checkpoint_errors_as_one_line, model_mismatch_as_one_line, prepare
     from megatron_muon.megatron_lm.layer_spec import gpt_model_config
 
 # ---------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = prepare(argv)
     config = pretrain_cfg_container_from_args(args, gpt_model_config(args))
-    with checkpoint_errors_as_one_line():
+    with checkpoint_errors_as_one_line(), model_mismatch_as_one_line():
         pretrain(config, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
     shut_down_process_groups()
     return 0

@@ -24,6 +24,7 @@ Megatron-LM") says where each hooks in; ``patches.CHECKPOINTS`` declares them, a
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Callable, Optional, Tuple
 
@@ -87,6 +88,16 @@ class CheckpointGuards:
 # ---------------------------------------------------------------------------------------
 
 
+class InternalAsyncPathNotice(logging.Filter):
+    """Drops Megatron-core 0.19's "MCore's async save is deprecated" notice: its synchronous
+    torch_dist save runs through that path itself (``TorchDistSaveShardedStrategy.save``
+    calls ``async_save(async_strategy="mcore")``), so every rank printed it at its first save
+    whatever the run's settings, and Megatron-LM has no flag that chooses another path."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MCore's async save is deprecated")
+
+
 class GuardedDistCheckpointing:
     """``megatron.core.dist_checkpointing`` as Megatron-LM's checkpointing module sees it:
     everything is Megatron-core's, except that ``save`` writes into a staging directory and
@@ -95,6 +106,9 @@ class GuardedDistCheckpointing:
     def __init__(self, package: Any, guards: CheckpointGuards) -> None:
         self.__wrapped__ = package
         self._guards = guards
+        strategies = logging.getLogger("megatron.core.dist_checkpointing.strategies.torch")
+        if not any(isinstance(f, InternalAsyncPathNotice) for f in strategies.filters):
+            strategies.addFilter(InternalAsyncPathNotice())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__wrapped__, name)

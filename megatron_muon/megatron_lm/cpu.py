@@ -462,6 +462,16 @@ def quiet_cpu_rng_warning() -> None:
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)
 
 
+def quiet_zero_grad_notice() -> None:
+    """Megatron-core's ``zero_grad`` reads ``.grad`` of the distributed optimizer's fp32 shard
+    views, which are not leaf tensors (its own comment: "throws grad-access warning"); on the
+    CPU that read goes through :class:`CudaToCpuMode`, so torch's warning names this module.
+    Silenced for this module only."""
+    warnings.filterwarnings(
+        "ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor", module=__name__
+    )
+
+
 def quiet_missing_extension_notices() -> None:
     """Megatron-core warns at import, once per module, that transformer-engine / Apex are
     absent (and torch that CUDA is): expected without a GPU, so not repeated on every run."""
@@ -469,6 +479,7 @@ def quiet_missing_extension_notices() -> None:
         ".*Transformer Engine and Apex are not installed",
         ".*Apex is not installed",
         ".*transformer-engine>=1.7.0 supports MoE experts",
+        "'pin_memory' argument is set as true but no accelerator is found",  # Megatron-LM's data loaders
     ):
         warnings.filterwarnings("ignore", message=text)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -487,6 +498,7 @@ def install() -> bool:
     no_premul_sum()
     jit_warmup_keeps_the_rng()
     quiet_cpu_rng_warning()
+    quiet_zero_grad_notice()
     if not compiles_on_cpu():
         torch._dynamo.config.disable = True
     return True

@@ -97,7 +97,7 @@ def expand_recipe(argv: Sequence[str]) -> List[str]:
     else:
         name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
     parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    recipe = without_muon_only_settings(recipes.load_recipe(name), rest)
+    recipe = without_grouped_gemm_on_local(without_muon_only_settings(recipes.load_recipe(name), rest), rest)
     if _given(rest, "--train-samples") is not None:
         recipe = sample_based(recipe, _given(rest, "--global-batch-size"))
     return recipes.recipe_to_argv(recipe, parser) + rest
@@ -119,6 +119,29 @@ def without_muon_only_settings(recipe: dict, rest: Sequence[str]) -> dict:
             flush=True,
         )
     return {k: v for k, v in recipe.items() if recipes.flag_key(k) != "qk-clip"}
+
+
+def without_grouped_gemm_on_local(recipe: dict, rest: Sequence[str]) -> dict:
+    """The recipe without its ``--moe-grouped-gemm`` when the run uses the local implementation
+    (no transformer-engine, or ``--transformer-impl local``): Megatron-core 0.19 builds grouped
+    experts only with transformer-engine (``TEGroupedMLP``), and the flag has no negative form
+    a command line could give. Says so in one line (given on the command line, it is refused:
+    :func:`check_runnable_here`)."""
+    from megatron_muon.layer_specs import transformer_engine_available
+
+    if not recipes.recipe_value(recipe, "moe-grouped-gemm"):
+        return recipe
+    default = "transformer_engine" if transformer_engine_available() else "local"
+    impl = _given(rest, "--transformer-impl") or recipes.recipe_value(recipe, "transformer-impl", default)
+    if impl == "transformer_engine":
+        return recipe
+    if _first_rank():
+        print(
+            "megatron_muon: the recipe's --moe-grouped-gemm is off with --transformer-impl local (grouped experts "
+            "are transformer-engine's TEGroupedMLP; the local implementation runs one MLP per expert)",
+            flush=True,
+        )
+    return {k: v for k, v in recipe.items() if recipes.flag_key(k) != "moe-grouped-gemm"}
 
 
 ITERATION_SCHEDULE = {
@@ -432,9 +455,9 @@ def check_runnable_here(args: argparse.Namespace) -> None:
     """What this machine cannot run, refused before any model is built (Megatron would fail
     late, deep in its code, or ignore the flag): transformer-engine's implementation without
     transformer-engine; an optional package a flag needs (:func:`missing_package`), W&B's
-    settings (:func:`check_wandb`); on gloo
-    (no GPU) the all-to-all token dispatcher, grouped GEMM and the flash / fused attention
-    backends."""
+    settings (:func:`check_wandb`); grouped GEMM experts without transformer-engine's
+    implementation; on gloo (no GPU) the all-to-all token dispatcher and the flash / fused
+    attention backends."""
     from megatron.core.transformer.enums import AttnBackend
 
     from megatron_muon.layer_specs import transformer_engine_available
@@ -450,16 +473,20 @@ def check_runnable_here(args: argparse.Namespace) -> None:
     if missing:
         flag, package = missing
         raise ValueError(f"{flag} needs the {package} package, which is not installed: {ECOSYSTEM_EXTRA}")
+    experts = getattr(args, "num_experts", None)
+    if experts and args.moe_grouped_gemm and args.transformer_impl != "transformer_engine":
+        raise ValueError(
+            "--moe-grouped-gemm needs --transformer-impl transformer_engine: Megatron-core 0.19's only grouped "
+            "expert MLP is transformer-engine's TEGroupedMLP, and the local implementation builds one MLP per "
+            "expert (SequentialMLP) whatever the flag; drop it"
+        )
     if cpu.use_cuda():
         return
-    experts = getattr(args, "num_experts", None)
     if experts and args.moe_token_dispatcher_type == "alltoall":
         raise ValueError(
             "--moe-token-dispatcher-type alltoall does not run on gloo (no GPU): use "
             "--moe-token-dispatcher-type allgather"
         )
-    if experts and args.moe_grouped_gemm:
-        raise ValueError("--moe-grouped-gemm needs a GPU (grouped GEMM kernels): drop it on the CPU")
     if args.attention_backend in (AttnBackend.flash, AttnBackend.fused):
         raise ValueError(
             f"--attention-backend {args.attention_backend.name} needs a GPU: use --attention-backend auto "
@@ -625,6 +652,21 @@ def checkpoint_errors_as_one_line():
         if _first_rank():
             print(f"pretrain_gpt.py: error: {exc}{fix}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+@contextlib.contextmanager
+def model_mismatch_as_one_line():
+    """A setting that names what the built model does not have (a ``--muon-exclude-patterns``
+    entry that matches no parameter) ends the job with one line on rank 0 and exit code 2;
+    the check is collective, so every rank ends."""
+    from megatron_muon.matrices import UnmatchedExcludePattern
+
+    try:
+        yield
+    except UnmatchedExcludePattern as exc:
+        if _first_rank():
+            print(f"pretrain_gpt.py: error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def pretrain_script() -> Path:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Collection, Dict, FrozenSet, List, Optional, S
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from ..buffer_layout import is_owner_aligned
+from ..buffer_layout import is_owner_aligned, prefetch_param_gathers_in_forward_order
 from ..checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
 from ..shard_map import ParamShard, ShardMap, dp_ranges_in_layout
 from ..timers import megatron_timer
@@ -115,6 +115,7 @@ class DistributedOptimizerStorage(StorageBackend):
     def __init__(self, opt, data_parallel_group) -> None:
         # The plan's DP group is the buffers' own (Megatron's intra-instance group).
         super().__init__(opt, opt.buffers[0].data_parallel_group if opt.buffers else data_parallel_group)
+        prefetch_param_gathers_in_forward_order(opt.model_chunks)
 
     def build_shard_map(self) -> ShardMap:
         """Megatron's DDP buffers say who holds what; its master groups hold this rank's

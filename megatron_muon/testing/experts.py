@@ -262,9 +262,12 @@ def _as_list(counts: Any) -> List[int]:
 # ---------------------------------------------------------------------------------------
 
 
-class _GroupedLinearStandIn(torch.nn.Module):
+class _StandInGroupedLinear(torch.nn.Module):
     """Pure-torch stand-in for TE's ``GroupedLinear`` as ``TEGroupedMLP`` uses it: one 2-D
-    parameter ``weight<i>`` per local expert, ``forward(x, m_splits) -> (y, None)``."""
+    parameter ``weight<i>`` per local expert, ``forward(x, m_splits) -> (y, None)``. Its
+    subclasses' names end in ``GroupedLinear`` as transformer-engine's do
+    (``TEColumnParallelGroupedLinear``), which is how the layout rules know a grouped linear
+    (``matrices.is_linear_module``)."""
 
     parallel_mode = "column"
 
@@ -346,11 +349,11 @@ class _GroupedLinearStandIn(torch.nn.Module):
         return out
 
 
-class _ColumnGroupedLinearStandIn(_GroupedLinearStandIn):
+class _StandInColumnParallelGroupedLinear(_StandInGroupedLinear):
     parallel_mode = "column"
 
 
-class _RowGroupedLinearStandIn(_GroupedLinearStandIn):
+class _StandInRowParallelGroupedLinear(_StandInGroupedLinear):
     parallel_mode = "row"
 
 
@@ -378,7 +381,9 @@ class TEGroupedMLPStandIn(TEGroupedMLP):
 
 def te_grouped_standin_submodules() -> GroupedMLPSubmodules:
     """``GroupedMLPSubmodules`` whose linears are the pure-torch stand-ins."""
-    return GroupedMLPSubmodules(linear_fc1=_ColumnGroupedLinearStandIn, linear_fc2=_RowGroupedLinearStandIn)
+    return GroupedMLPSubmodules(
+        linear_fc1=_StandInColumnParallelGroupedLinear, linear_fc2=_StandInRowParallelGroupedLinear
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -52,8 +52,10 @@ def test_newton_schulz_on_cuda_is_close_to_float64(shape):
                 assert err < bound, (shape, method, dtype, name, err)
 
 
-def _launch(flags: List[str], nproc: int = 1, cpu: bool = False, timeout: int = 400) -> Dict[int, float]:
-    """lm loss per iteration of the main job (tiny_gqa, no warm-up or evaluation)."""
+def _launch(
+    flags: List[str], nproc: int = 1, cpu: bool = False, timeout: int = 400, recipe: str = "tiny_gqa"
+) -> Dict[int, float]:
+    """lm loss per iteration of the main job (``recipe``, no warm-up or evaluation)."""
     # Megatron's start-up compiles its fused bias-activation functions with torch.compile in
     # every process (tens of seconds); these tests compare our optimizer, so dynamo is off.
     env = dict(os.environ, PYTHONUNBUFFERED="1", TORCHDYNAMO_DISABLE="1")
@@ -66,7 +68,7 @@ def _launch(flags: List[str], nproc: int = 1, cpu: bool = False, timeout: int = 
     # what a GPU run draws from with --use-cpu-initialization (CUDA's own generator gives
     # other numbers for the same seed: the first loss then differs by 1 %).
     same_weights = [] if cpu else ["--use-cpu-initialization"]
-    cmd = launcher + [str(PRETRAIN), "--recipe", "tiny_gqa", "--train-iters", str(ITERATIONS),
+    cmd = launcher + [str(PRETRAIN), "--recipe", recipe, "--train-iters", str(ITERATIONS),
                       "--lr-warmup-iters", "0", "--eval-iters", "0", *same_weights, *flags]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
@@ -104,6 +106,19 @@ def test_transformer_engine_layer_specs(cpu_losses):
     like the local specs."""
     te = _launch(["--transformer-impl", "transformer_engine"])
     _close(te, cpu_losses, 2e-2)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="transformer-engine not installed")
+def test_transformer_engine_grouped_gemm_experts():
+    """--moe-grouped-gemm: transformer-engine's TEGroupedMLP, whose ``linear_fc1.weight<i>`` /
+    ``linear_fc2.weight<i>`` our layout rules cut into one matrix per expert (an unmatched one
+    refuses to build). It trains, and starts where the per-expert SequentialMLP of the same
+    spec starts (other initial expert weights: the same loss to 2 %, not to rounding)."""
+    te = ["--transformer-impl", "transformer_engine", "--bf16"]
+    grouped = _launch([*te, "--moe-grouped-gemm"], recipe="tiny_moe")
+    sequential = _launch(te, recipe="tiny_moe")
+    _close({1: grouped[1]}, {1: sequential[1]}, 2e-2)
+    assert grouped[ITERATIONS] < grouped[1]
 
 
 def test_offload_copies_on_side_streams_match_the_device_run():

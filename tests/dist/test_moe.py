@@ -54,6 +54,28 @@ def test_moe_equals_reference(request, moe_reference, world, layout, model):
     assert len(names) == num_layers * num_experts * 2  # fc1 and fc2 of every expert
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # transformer-engine's TEGroupedMLP naming (linear_fc1.weight<i>: --moe-grouped-gemm on a
+        # GPU), by its pure-torch stand-in where transformer-engine is absent
+        pytest.param("te_grouped", id="TEGroupedMLP"),
+        # fused weight1 / weight2 storage of the legacy GroupedMLP (older checkpoints)
+        pytest.param("legacy_grouped", id="legacy-GroupedMLP", marks=pytest.mark.slow),
+    ],
+)
+def test_grouped_expert_storage_equals_reference_at_ep2(moe_reference, layout):
+    """Muon on grouped expert storage: each expert's matrices cut out of it and orthogonalized
+    on their own, exact against the reference (which trains per-expert SequentialMLP)."""
+    results = run_distributed(train, 2, dict(MOE, expert_layout=layout), FP32, timeout_s=500, ep=2)
+    full = M.merge_canonical_states([r["fp32"]["state"] for r in results])
+    err, key = max_rel_err(full, M.merge_canonical_states([moe_reference[1]]), "fro")
+    assert err <= 1e-5, f"{key} differs from the reference by {err:.2e}"
+    experts = [n for r in results for n in r["fp32"]["computed"] if "experts" in n]
+    assert len(experts) == len(set(experts)) == 2 * 4 * 2, experts  # 2 layers x 4 experts x fc1, fc2
+
+
 def _overlap_trace():
     """Two MoE steps with and without the overlap; the last step's trace and the weights."""
     from megatron_muon.testing.trace import trace_step

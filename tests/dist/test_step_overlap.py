@@ -174,3 +174,67 @@ def test_forward_overlap_is_bitwise_the_step(world, layout, model, clip, lr):
             assert len(order) <= 2 or order != sorted(order), (what, order)
             nan = forward["nan"]
             assert nan["ok"] is False and not nan["pending"] and nan["unchanged"], (what, nan)
+
+
+def _param_gathers_waited_for(layout: str) -> dict:
+    """One step, then the next forward with DDP's ``overlap_param_gather``: per chain of bucket
+    groups (dense, expert), how many groups the forward reached with their all-gather not yet
+    started (each a gather waited for, not overlapped), and Megatron's warnings that a group's
+    successor had already been started. Also with DDP's own chain (its ``bucket_groups`` list
+    reversed), as Megatron-core 0.19 links it."""
+    import warnings
+
+    spec = M.TinyModelSpec(kind="moe")
+    chunks, model, opt, _ = build(spec, ddp=OVERLAP_DDP, muon_buffer_layout=layout, muon_step_overlap="none")
+    batches = M.synthetic_batches(spec, 8, 3, seed=3)
+    out = {}
+    for chain, tokens in (("ours", batches[1]), ("megatron", batches[2])):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        opt.zero_grad()
+        M.forward_backward(model, tokens, MBS, spec, optimizer=opt)
+        assert opt.step()[0]
+        if chain == "megatron":
+            for groups in (model[0].bucket_groups, model[0].expert_parallel_bucket_groups):
+                for later, earlier in zip(groups[1:], groups[:-1]):
+                    later.next_param_gather_bucket_group = earlier
+                if groups:
+                    groups[0].next_param_gather_bucket_group = None
+        waited = {"dense": 0, "expert": 0}
+        for kind, groups in (("dense", model[0].bucket_groups), ("expert", model[0].expert_parallel_bucket_groups)):
+            for group in groups:
+                finish = group.finish_param_sync
+
+                def counted(*a, _group=group, _finish=finish, _kind=kind, **kw):
+                    if not _group.param_gather_dispatched:
+                        waited[_kind] += 1
+                    return _finish(*a, **kw)
+
+                group.finish_param_sync = counted
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            M.forward_backward(model, batches[0], MBS, spec, forward_only=True)
+        for group in model[0].bucket_groups + model[0].expert_parallel_bucket_groups:
+            del group.finish_param_sync
+        dispatched = sum("has already been dispatched" in str(w.message) for w in caught)
+        out[chain] = dict(waited=waited, warned=dispatched, groups=len(model[0].bucket_groups))
+    return out
+
+
+@pytest.mark.parametrize("layout", ["owner_aligned", "megatron"])
+def test_each_param_gather_is_started_before_the_forward_needs_it(layout):
+    """The owner-aligned layout's separate Muon buffer: DDP's chain (its list order) left the
+    Muon buffer's first all-gather unstarted until the forward needed it and warned that the
+    next one had "already been dispatched"; chained in the forward's order
+    (``buffer_layout.prefetch_param_gathers_in_forward_order``) only each chain's first is
+    waited for and nothing warns. On Megatron's layout (one dense buffer) the chain is DDP's
+    own. EP2 MoE: dense and expert chains. (With buckets that cut a layer, DDP itself waits
+    where the forward's order is not the registration order: an attention's linear_proj is
+    registered before its linear_qkv; Megatron's chain, with AdamW too.)"""
+    ranks = run_distributed(_param_gathers_waited_for, 2, layout, ep=2, timeout_s=300)
+    for r in ranks:
+        if layout == "owner_aligned":  # ours, and what DDP's chain did on our buffers
+            assert r["ours"]["waited"] == {"dense": 1, "expert": 1} and r["ours"]["warned"] == 0, r
+            assert r["megatron"]["waited"]["dense"] > 1 and r["megatron"]["warned"] > 0, r
+        else:  # one dense buffer: DDP's own chain, unchanged
+            assert r["megatron"] == r["ours"] and r["ours"]["groups"] > 2, r

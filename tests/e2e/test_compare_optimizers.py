@@ -53,14 +53,18 @@ def test_tiny_study_resumes_after_an_interruption(tmp_path):
     tag = f"study-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MEGATRON_MUON_TEST_TAG=tag)
     cmd = _study(out, cache, "--keep-runs")
-    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # fmt: skip
+    # SIGINT as a terminal delivers it (a shell that started pytest in the background left it ignored)
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     try:
         deadline = time.monotonic() + 200
         while len(list(out.glob("cells/*/*.json"))) < 2 and first.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        first.kill()  # the tool alone, in the middle of its third run: that run ends with it
-        first.wait()
+        # Ctrl-C to the tool alone, in the middle of its third run: that run ends with it
+        first.send_signal(signal.SIGINT)
+        _, said = first.communicate(timeout=30)
+        assert first.returncode == 130 and len(said.strip().splitlines()) == 1, said[-3000:]
+        assert said.startswith("compare_optimizers.py: interrupted;"), said
         deadline = time.monotonic() + 10
         while tagged_processes(tag) and time.monotonic() < deadline:
             time.sleep(0.2)

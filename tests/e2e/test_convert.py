@@ -635,3 +635,15 @@ def test_a_failed_resave_leaves_nothing_and_says_why(driver_checkpoints, tmp_pat
     message = str(error.value)
     assert "could not re-save" in message and "--hidden-size 32" in message and "\n" not in message, message
     assert os.listdir(tmp_path) == [] and tree(driver_checkpoints / "adam") == before
+
+
+def test_a_converter_error_is_its_one_line():
+    """Without a GPU, Megatron-core's import-time notices (transformer-engine / Apex absent,
+    no CUDA runtime) are not printed: the converter's answer is the only line."""
+    from tests.helpers.jobs import CONVERT, launch
+
+    proc = launch(CONVERT + ["inspect", str(REPO / "no_such_checkpoint")], timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "is neither a checkpoint" in proc.stderr, (
+        proc.stderr
+    )

@@ -340,8 +340,18 @@ def uninterrupted(cache, tmp_path_factory):
     run of ``--load X --save X`` (X new)."""
     out = tmp_path_factory.mktemp("run")
     ckpt = ["--load", str(out / "ckpt"), "--save", str(out / "ckpt"), "--save-interval", "3"]
-    stdout = run(PRETRAIN + COMMON + ["--data-cache-path", str(cache), *ckpt])
-    return dict(stdout=stdout, ckpt=out / "ckpt")
+    proc = launch(PRETRAIN + COMMON + ["--data-cache-path", str(cache), *ckpt], timeout=200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return dict(stdout=proc.stdout, stderr=proc.stderr, ckpt=out / "ckpt")
+
+
+def test_routine_notices_are_not_printed(uninterrupted):
+    """What every CPU run with saves printed and nobody acts on: Megatron-core's own zero_grad
+    reading .grad of non-leaf shard views, its synchronous save's "async save is deprecated",
+    the data loader's pin_memory without an accelerator, the TE / Apex import notices."""
+    out = uninterrupted["stdout"] + uninterrupted["stderr"]
+    assert "Warning" not in out, [line for line in out.splitlines() if "Warning" in line]
+    assert "async save is deprecated" not in out
 
 
 def test_first_run_of_load_and_save_in_one_directory_says_it_starts_new(uninterrupted):
@@ -642,7 +652,8 @@ BAD_INPUT = [
         "use --moe-token-dispatcher-type allgather",
         marks=NEEDS_NO_GPU,
     ),
-    pytest.param(["--recipe", "tiny_moe", "--moe-grouped-gemm"], "--moe-grouped-gemm needs a GPU", marks=NEEDS_NO_GPU),
+    # Megatron-core 0.19's local spec builds SequentialMLP whatever the flag (a GPU without TE too)
+    (["--recipe", "tiny_moe", "--moe-grouped-gemm"], "--moe-grouped-gemm needs --transformer-impl transformer_engine"),
     pytest.param(
         ["--recipe", "tiny_gqa", "--attention-backend", "flash"],
         "--attention-backend flash needs a GPU",
@@ -744,6 +755,20 @@ def test_bad_input_as_a_user_launches_it():
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines == ["pretrain_gpt.py: error: --lr nan is invalid: use a finite number >= 0"]
     assert "Traceback" not in proc.stderr and BUILT not in proc.stdout
+
+
+def test_exclude_pattern_that_matches_nothing_is_one_line(cache):
+    """A --muon-exclude-patterns entry that names no parameter (a typo would leave the
+    matrices it meant on Muon): refused in one line, exit code 2, once the model is built
+    (the names are the model's), before any step."""
+    proc = launch(PRETRAIN + COMMON + ["--data-cache-path", str(cache), "--muon-exclude-patterns",
+                                       "*.linear_proj.weight", "*.linear_prj.weight"], timeout=200)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "pretrain_gpt.py: error: --muon-exclude-patterns '*.linear_prj.weight' matches no parameter of the model "
+        "(fnmatch on names such as 'decoder.layers.0.input_layernorm.weight'): correct the pattern or drop it"
+    ), proc.stderr[-3000:]
+    assert not losses(proc.stdout)
 
 
 def test_train_samples_overrides_the_recipes_iterations(cache):

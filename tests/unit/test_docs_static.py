@@ -7,6 +7,7 @@ GPU-cluster launch line passes Megatron-LM's validation. (The runnable shell blo
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 import subprocess
@@ -14,6 +15,7 @@ from typing import List, Tuple
 
 import pytest
 
+from tests.helpers import REPO
 from tests.helpers.docs import ALL, DOCS, SHELL, SHELLS, Block
 
 
@@ -110,3 +112,66 @@ def test_cluster_launch_lines_are_valid_arguments(block):
     assert launches, block.id
     for world, argv in launches:
         validated_args(argv, world_size=world)
+
+
+# ---------------------------------------------------------------------------------------
+# The GPU check's figures quoted in README and docs/clusters.md, against its committed JSON
+# ---------------------------------------------------------------------------------------
+
+
+def _span(values) -> str:
+    values = list(values)
+    low, high = min(values), max(values)
+    return f"{low:.2f}-{high:.2f}"
+
+
+def _gpu_check_figures() -> List[Tuple[str, str, str]]:
+    """``(page, sentence with one {} for the figure, figure from docs/bench/gpu_check.json)``."""
+    import json
+
+    check = json.loads((DOCS / "bench" / "gpu_check.json").read_text())
+    parts = check["parts"]
+    peers = parts["optimizer_step"]["peers"]
+    main = parts["main_job"]
+    runs = {r["name"]: r for r in main["runs"]}
+    lrs = sorted(main["muon_over_adamw"])
+    gap = [runs[f"adam, lr {lr}"]["last_loss"] - runs[f"muon, lr {lr}"]["last_loss"] for lr in lrs]
+    ns = parts["newton_schulz"]
+    eager = [r["of_peak"] for r in ns["rows"] if r["impl"] == "megatron_muon"]
+    gram = [g for g in ns["gram"] if g["aspect"] >= 2.25]  # where Gram pays: the span README quotes
+    minutes = math.ceil(check["plan_s"] / 60)
+    in_words = {7: "seven", 8: "eight", 9: "nine", 10: "ten"}[minutes]
+    ms = lambda peer: f"{peers[peer]['step_ms']:.1f}"  # noqa: E731
+    over_whole = max(main["over_step_whole"].values())
+    return [
+        ("README.md", "the plan sums to under {} minutes", in_words),
+        ("docs/clusters.md", "under {} minutes by its time boxes", in_words),
+        ("docs/clusters.md", "(it ran in {} s on one H200)", f"{check['wall_s']:.0f}"),
+        ("README.md", "our optimizer step takes {} ms against", ms("ours_exact")),
+        ("README.md", "against Megatron-core's Muon's {} ms", ms("megatron_muon_blockwise")),
+        ("README.md", "and AdamW's {} ms", ms("megatron_adamw")),
+        ("README.md", "Muon ends 35 iterations {} below AdamW in loss", _span(gap)),
+        ("README.md", "its iteration at {}x AdamW's", _span(main["muon_over_adamw"].values())),
+        ("docs/clusters.md", "Muon's iteration cost {}x AdamW's", _span(main["muon_over_adamw"].values())),
+        ("README.md", "runs at {} of the bf16 GEMM rate", _span(eager)),
+        ("README.md", "Gram Newton–Schulz takes {} of standard's time", _span(g["time_ratio"] for g in gram)),
+        (
+            "README.md",
+            "of standard's time at aspect ratios {}",
+            f"{min(g['aspect'] for g in gram):.1f}-{max(g['aspect'] for g in gram):g}",
+        ),  # fmt: skip
+        ("README.md", "0.92-{} of the whole step's iteration time", f"{over_whole:.2f}"),
+    ]
+
+
+@pytest.mark.parametrize("page, sentence, figure", _gpu_check_figures(), ids=lambda v: str(v)[:40])
+def test_quoted_gpu_figures_are_the_committed_benchmarks(page, sentence, figure):
+    """A figure README or clusters.md quotes from the GPU check is the one its committed
+    docs/bench/gpu_check.json gives (rounded as quoted): a new check run, or an edit of the
+    page, cannot leave them apart. A sentence reworded: change it here too."""
+    text = " ".join((REPO / page).read_text().split())
+    found = re.search(
+        re.escape(sentence).replace(r"\{\}", r"([0-9]+(?:[.,][0-9]+)*(?:-[0-9]+(?:\.[0-9]+)?)?|[a-z]+)"), text
+    )
+    assert found, f"{page} no longer says {sentence!r}"
+    assert found.group(1) == figure, f"{page} says {sentence.format(found.group(1))!r}; gpu_check.json: {figure}"
