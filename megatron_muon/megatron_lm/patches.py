@@ -12,7 +12,7 @@ are installed in groups, each by one caller, all through :mod:`megatron_muon.pat
   save's DCP call staged);
 * :data:`LAUNCH`: ``launch.install_launch_validation`` (``tools/pretrain_gpt.py``);
 * :data:`MTP_LAYERS`: ``layer_spec.install_mtp_layer_spec``, when a run builds our layer spec;
-* :data:`~megatron_muon.storage.megatron_fsdp.SINGLE_RANK_GROUPS`, the core's one row (declared
+* :data:`~megatron_muon.megatron_fsdp_fix.SINGLE_RANK_GROUPS`, the core's one row (declared
   there): ``fix_gradient_accumulation_on_single_rank_groups()``, which the library user, the
   glue and the harness call before wrapping a model in Megatron-FSDP;
 * the ``cpu_only`` rows (:data:`CPU_CORE`, :data:`CPU_INITIALIZATION` and the others): ``cpu.install``
@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megatron_muon.checkpoint.reading import READERS
+from megatron_muon.megatron_fsdp_fix import SINGLE_RANK_GROUPS
 from megatron_muon.patching import Patch
-from megatron_muon.storage.megatron_fsdp import SINGLE_RANK_GROUPS
 
 MCORE = "megatron-core 0.19.2"
 TORCH = "torch 2.11.0"

@@ -23,9 +23,9 @@ import types
 import pytest
 
 from megatron_muon import patching
+from megatron_muon.megatron_fsdp_fix import SINGLE_RANK_GROUPS
 from megatron_muon.megatron_lm import patches
 from megatron_muon.patching import Patch
-from megatron_muon.storage.megatron_fsdp import SINGLE_RANK_GROUPS
 from tests.helpers import REPO
 
 PACKAGE = REPO / "megatron_muon"
