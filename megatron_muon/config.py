@@ -13,7 +13,7 @@ import inspect
 import math
 import textwrap
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from megatron.core.optimizer import OptimizerConfig
@@ -253,6 +253,25 @@ def _bad_number(value, minimum: float, strict: bool, integer: bool = False) -> b
     return value <= minimum if strict else value < minimum
 
 
+def offload_problems(cfg: Any) -> List[str]:
+    """The CPU offload settings megatron_muon cannot run (``cfg``: a ``MuonConfig``, or
+    Megatron-LM's arguments, read before its validation by ``support.optimizer_requirements``)."""
+    problems = []
+    offload, fraction = getattr(cfg, "optimizer_cpu_offload", False), getattr(cfg, "optimizer_offload_fraction", 1.0)
+    if offload and not getattr(cfg, "muon_cpu_offload", False):
+        problems.append(
+            "optimizer_cpu_offload=True needs muon_cpu_offload=True (--muon-cpu-offload): megatron_muon "
+            "offloads the Muon matrices' momentum and fp32 masters together"
+        )
+    if offload and fraction != 1.0:
+        problems.append(
+            f"optimizer_offload_fraction={fraction!r} is not supported with "
+            "optimizer_cpu_offload: megatron_muon offloads the masters of every Muon matrix, not a "
+            "fraction; set 1.0 (--optimizer-offload-fraction 1.0)"
+        )
+    return problems
+
+
 def config_problems(cfg: MuonConfig):
     """Every invalid setting of ``cfg``, one line each: ``field=value ...: fix``.
 
@@ -331,17 +350,8 @@ def config_problems(cfg: MuonConfig):
             f"muon_exclude_patterns={cfg.muon_exclude_patterns!r} is invalid; use a tuple of "
             "fnmatch patterns, e.g. ('*.linear_proj.weight',)."
         )
-    if cfg.optimizer_cpu_offload and not cfg.muon_cpu_offload:
-        yield (
-            "optimizer_cpu_offload=True needs muon_cpu_offload=True (--muon-cpu-offload): megatron_muon "
-            "offloads the Muon matrices' momentum and fp32 masters together."
-        )
-    if cfg.optimizer_cpu_offload and cfg.optimizer_offload_fraction != 1.0:
-        yield (
-            f"optimizer_offload_fraction={cfg.optimizer_offload_fraction!r} is not supported with "
-            "optimizer_cpu_offload: megatron_muon offloads the masters of every Muon matrix, not a "
-            "fraction; set 1.0 (--optimizer-offload-fraction 1.0)."
-        )
+    for problem in offload_problems(cfg):
+        yield problem + "."
     if cfg.muon_step_overlap == "forward" and cfg.muon_cpu_offload:
         yield (
             "muon_step_overlap='forward' cannot run with muon_cpu_offload=True: the pending chunks would hold "

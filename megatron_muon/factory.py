@@ -25,6 +25,7 @@ from .pipeline import step_overlap_mode
 from .process_groups import parallel_groups
 from .qk_clip import QKClip
 from .storage import StorageBackend, storage_for
+from .support import Settings, refusals
 
 
 def _check_precision(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
@@ -48,13 +49,8 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
     _check_precision(model_chunks, config)
     storage = storage_for(model_chunks)
     storage.check(model_chunks, config)
-    if config.use_precision_aware_optimizer:
-        raise NotImplementedError("get_muon_optimizer: use_precision_aware_optimizer is not supported.")
-    if config.reuse_grad_buf_for_mxfp8_param_ag:
-        raise NotImplementedError(
-            "get_muon_optimizer: reuse_grad_buf_for_mxfp8_param_ag (MXFP8 parameter all-gather through "
-            "the grad buffer) is not supported; leave it off (--reuse-grad-buf-for-mxfp8-param-ag)."
-        )
+    for refusal in refusals(Settings.of(config, model_chunks), storage):
+        raise ValueError(f"get_muon_optimizer: {refusal}.")
     return storage
 
 

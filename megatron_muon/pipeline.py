@@ -60,6 +60,7 @@ from .qk_clip import scale_master_rows_
 from .rule import AppliedChunk, MuonRule
 from .shard_map import ShardMap
 from .state import OffloadedMasters, OwnerStates, ShardStates
+from .support import step_overlap_cannot_run
 from .timers import megatron_timer
 
 
@@ -480,10 +481,7 @@ def step_overlap_for(config: Any, ddp_settings: Sequence[Any], storage: Any) -> 
     if config.muon_step_overlap == "auto":
         return "none" if refusal is not None or config.muon_cpu_offload else "forward"
     if config.muon_step_overlap == "forward" and refusal is not None:
-        raise ValueError(
-            f"get_muon_optimizer: muon_step_overlap='forward' cannot run here: {refusal}. Set "
-            "muon_step_overlap='none' (--muon-step-overlap none), or 'auto' to overlap wherever it can."
-        )
+        raise ValueError(f"get_muon_optimizer: {step_overlap_cannot_run(refusal)}.")
     return config.muon_step_overlap
 
 

@@ -205,17 +205,21 @@ def is_fsdp_dtensor(path: str) -> bool:
     return checkpoint_format(path) == "fsdp_dtensor"
 
 
-def ensure_process_group() -> None:
-    """A one-rank gloo group (Megatron's checkpoint I/O is collective), on the CPU if no GPU.
-    Its store lives in this process (no port, no ``MASTER_*`` variables set for the caller)."""
+@contextlib.contextmanager
+def collective_io() -> Iterator[None]:
+    """Megatron's checkpoint I/O, which is collective, from one process: a one-rank gloo group
+    (made once, its store in this process: no port, no ``MASTER_*`` variables set for the
+    caller) and, on a machine without a GPU, Megatron-core's CPU stand-ins in force inside the
+    block only (what a process installed before stays; reading a directory installs nothing
+    for the rest of the process)."""
     import torch.distributed as dist
 
-    from .cpu import install_cpu_patches
+    from .cpu import cpu_patches
 
-    if not torch.cuda.is_available():
-        install_cpu_patches()
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    with contextlib.nullcontext() if torch.cuda.is_available() else cpu_patches():
+        yield
 
 
 _OUR_KEYS = (STATE_PREFIX + "momentum_buffer.", "optimizer.muon.common")
@@ -310,35 +314,37 @@ def read_checkpoint(path: str) -> Checkpoint:
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    ensure_process_group()
-    metadata = read_dcp_metadata(path)
-    request: Dict[str, Any] = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            request[key] = ShardedTensor.from_rank_offsets(
-                key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0
-            )
-        elif key.startswith("common_state"):
-            continue
-        else:
-            m = _SHARD.match(key)
-            if m is None:
+    with collective_io():
+        metadata = read_dcp_metadata(path)
+        request: Dict[str, Any] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                request[key] = ShardedTensor.from_rank_offsets(
+                    key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0
+                )
+            elif key.startswith("common_state"):
                 continue
-            offset = tuple(int(x) for x in m["offset"].split("."))
-            shape = tuple(int(x) for x in m["shape"].split("."))
-            request[key] = ShardedObject(m["key"], None, shape, offset, replica_id=0)
-    try:
-        with restricted_reading():
-            loaded = dist_checkpointing.load(request, path)
-    except (ReadStopped, *READ_ERRORS) as e:
-        raise checkpoint_error_in(e) or CheckpointError(f"{path} could not be read (truncated or corrupt?): {e}") from e
-    ckpt = Checkpoint(common=read_common(path))
-    for key, req in request.items():
-        if isinstance(req, ShardedTensor):
-            ckpt.tensors[key] = loaded[key]
-        else:
-            ckpt.objects[(req.key, req.global_offset, req.global_shape)] = loaded[key]
-    return ckpt
+            else:
+                m = _SHARD.match(key)
+                if m is None:
+                    continue
+                offset = tuple(int(x) for x in m["offset"].split("."))
+                shape = tuple(int(x) for x in m["shape"].split("."))
+                request[key] = ShardedObject(m["key"], None, shape, offset, replica_id=0)
+        try:
+            with restricted_reading():
+                loaded = dist_checkpointing.load(request, path)
+        except (ReadStopped, *READ_ERRORS) as e:
+            raise checkpoint_error_in(e) or CheckpointError(
+                f"{path} could not be read (truncated or corrupt?): {e}"
+            ) from e
+        ckpt = Checkpoint(common=read_common(path))
+        for key, req in request.items():
+            if isinstance(req, ShardedTensor):
+                ckpt.tensors[key] = loaded[key]
+            else:
+                ckpt.objects[(req.key, req.global_offset, req.global_shape)] = loaded[key]
+        return ckpt
 
 
 def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
@@ -347,16 +353,16 @@ def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
 
-    ensure_process_group()
-    state: Dict[str, Any] = dict(ckpt.common)
-    state["__tensors__"] = {
-        key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()
-    }
-    state["__objects__"] = {
-        f"{key}/{offset}": ShardedObject(key, value, shape, offset, replica_id=0)
-        for (key, offset, shape), value in ckpt.objects.items()
-    }
-    dist_checkpointing.save(state, path)
+    with collective_io():
+        state: Dict[str, Any] = dict(ckpt.common)
+        state["__tensors__"] = {
+            key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()
+        }
+        state["__objects__"] = {
+            f"{key}/{offset}": ShardedObject(key, value, shape, offset, replica_id=0)
+            for (key, offset, shape), value in ckpt.objects.items()
+        }
+        dist_checkpointing.save(state, path)
 
 
 COMMON = "optimizer.muon.common"

@@ -33,7 +33,7 @@ from megatron_muon.checkpoint.optimizer_state import state_key as torch_dist_key
 from megatron_muon.megatron_lm.fsdp_state_dict import GLU_HALVES, glu_parameters
 from megatron_muon.state import MASTER
 
-from .checkpoint_dirs import COMMON, GROUP_META, Checkpoint, ensure_process_group, load_dcp
+from .checkpoint_dirs import COMMON, GROUP_META, Checkpoint, collective_io, load_dcp
 
 CONTENT_METADATA = {  # how Megatron-LM labels a torch_dist save of ours (fully reshardable)
     "distrib_optim_sharding_type": "fully_reshardable",
@@ -84,35 +84,35 @@ def model_layout(saved_args) -> Layout:
 
     if saved_args is None:
         raise CheckpointError("the checkpoint holds no Megatron-LM arguments: its model cannot be rebuilt")
-    ensure_process_group()
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
-    args = copy.copy(saved_args)
-    for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                 "expert_tensor_parallel_size", "context_parallel_size"):  # fmt: skip
-        setattr(args, name, 1)
-    args.sequence_parallel, args.use_cpu_initialization = False, True
-    config = gpt_model_config(args)
-    config.transformer.perform_initialization = False
-    with torch.device("meta"):
-        model = GPTModelBuilder(config).build_model(
-            ProcessGroupCollection.use_mpu_process_groups(), pre_process=True, post_process=True
-        )
-    names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    params = {id(p) for p in model.parameters()}
-    layout = Layout(glu=set(glu_parameters(model)))
-    sharded = model.sharded_state_dict()
-    for value in nested_values(sharded):
-        if isinstance(value, ShardedObject):
-            layout.objects[(value.key, tuple(value.global_offset), tuple(value.global_shape))] = value.data
-        elif id(getattr(value, "data", None)) in names:
-            for t in _built(value):
-                layout.model.setdefault(names[id(value.data)], []).append(_piece(t))
-                layout.shapes[t.key] = (tuple(t.global_shape), t.dtype)
-    for pid, sh in model_param_metadata(sharded).items():
-        if pid in params:
-            layout.state[names[pid]] = [_piece(t) for t in _built(sh)]
-    return layout
+    with collective_io():
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+        args = copy.copy(saved_args)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                     "expert_tensor_parallel_size", "context_parallel_size"):  # fmt: skip
+            setattr(args, name, 1)
+        args.sequence_parallel, args.use_cpu_initialization = False, True
+        config = gpt_model_config(args)
+        config.transformer.perform_initialization = False
+        with torch.device("meta"):
+            model = GPTModelBuilder(config).build_model(
+                ProcessGroupCollection.use_mpu_process_groups(), pre_process=True, post_process=True
+            )
+        names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
+        params = {id(p) for p in model.parameters()}
+        layout = Layout(glu=set(glu_parameters(model)))
+        sharded = model.sharded_state_dict()
+        for value in nested_values(sharded):
+            if isinstance(value, ShardedObject):
+                layout.objects[(value.key, tuple(value.global_offset), tuple(value.global_shape))] = value.data
+            elif id(getattr(value, "data", None)) in names:
+                for t in _built(value):
+                    layout.model.setdefault(names[id(value.data)], []).append(_piece(t))
+                    layout.shapes[t.key] = (tuple(t.global_shape), t.dtype)
+        for pid, sh in model_param_metadata(sharded).items():
+            if pid in params:
+                layout.state[names[pid]] = [_piece(t) for t in _built(sh)]
+        return layout
 
 
 def _index(offset: Tuple[int, ...], shape: Tuple[int, ...]) -> Tuple[slice, ...]:

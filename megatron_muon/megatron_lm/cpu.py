@@ -285,13 +285,17 @@ def uninstall_cpu_patches() -> None:
 
 
 @contextlib.contextmanager
-def cpu_patches():
-    """Context manager form of ``install_cpu_patches``."""
-    install_cpu_patches()
+def cpu_patches() -> Iterator[None]:
+    """``install_cpu_patches`` in force inside the block, undone after it unless they were
+    in force before it (reentrant: an installed process keeps them)."""
+    ours = not _MODE
+    if ours:
+        install_cpu_patches()
     try:
         yield
     finally:
-        uninstall_cpu_patches()
+        if ours:
+            uninstall_cpu_patches()
 
 
 def patches_installed() -> bool:

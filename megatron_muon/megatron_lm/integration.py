@@ -36,7 +36,8 @@ from megatron_muon import patching
 from megatron_muon.config import SCALAR_OPTIMIZERS, SCALE_MODES, TP_MODES, MuonConfig
 from megatron_muon.factory import get_muon_optimizer
 from megatron_muon.storage import DistributedOptimizerStorage, MegatronFSDPStorage
-from megatron_muon.storage.megatron_fsdp import check_megatron_fsdp, fix_gradient_accumulation_on_single_rank_groups
+from megatron_muon.storage.megatron_fsdp import fix_gradient_accumulation_on_single_rank_groups
+from megatron_muon.support import Settings, refusals
 
 from . import muon_args, patches
 from .patches import ITERATION_LINE_SCOPE, VALIDATION_SCOPE
@@ -183,59 +184,51 @@ def _checkpoint_format(args: argparse.Namespace) -> str:
     return _storage(args).checkpoint_format
 
 
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Megatron-LM's arguments, before its validation, as the support matrix reads them
+    (``support.Settings``): the optimizer's and the engine's settings carry the same names,
+    read as what they will become: no precision-aware optimizer with ``--optimizer-cpu-offload``
+    (Megatron-LM demands one for its own offload; :func:`_as_ours` drops it), and
+    ``--megatron-fsdp-main-params-dtype auto`` as the None its validation maps it to."""
+    view = argparse.Namespace(**vars(args))
+    view.use_precision_aware_optimizer = getattr(args, "use_precision_aware_optimizer", False) and not getattr(
+        args, "optimizer_cpu_offload", False
+    )
+    if getattr(args, "megatron_fsdp_main_params_dtype", None) == "auto":
+        view.megatron_fsdp_main_params_dtype = None
+    return Settings(view, (view,))
+
+
+NO_PARAM_GROUP_MAP = "does not support --dump-param-to-param-group-map: drop it"
+WHO = "megatron_muon (--optimizer muon --muon-impl megatron_muon)"
+
+
 def check_supported(args: argparse.Namespace) -> None:
-    """Raise ``ValueError`` (naming the flag and the fix) for what megatron_muon cannot run."""
+    """Raise ``ValueError`` (naming the flag and the fix) for what megatron_muon cannot run:
+    the support matrix (``support.refusals``, as ``get_muon_optimizer`` reads it), and what
+    only the command line can ask for."""
 
     def on(name: str, default: Any = False) -> Any:
         return getattr(args, name, default)
 
-    overlap_refusal = (
-        _storage(args).step_overlap_refusal([args]) if on("muon_step_overlap", "auto") == "forward" else None
-    )
+    if args.optimizer == "dist_muon":
+        raise ValueError(
+            f"{WHO} --optimizer dist_muon is deprecated: use --optimizer muon --use-distributed-optimizer."
+        )
+    for refusal in refusals(settings_from_args(args), _storage(args)):
+        raise ValueError(f"{WHO}: {refusal}.")
     problems = [
-        (
-            args.optimizer == "dist_muon",
-            "--optimizer dist_muon is deprecated: use --optimizer muon --use-distributed-optimizer",
-        ),
-        (
-            not on("use_distributed_optimizer"),
-            "needs --use-distributed-optimizer (its state is sharded "
-            "like the DistributedOptimizer's): add it, or use --muon-impl megatron for Megatron-core's Muon",
-        ),
         (
             on("use_torch_fsdp2"),
             "does not support Torch FSDP2 (nor does Megatron-LM's distributed optimizer): use --use-megatron-fsdp",
         ),
-        (
-            on("use_megatron_fsdp") and (on("muon_cpu_offload") or on("optimizer_cpu_offload")),
-            "does not offload to the CPU on Megatron-FSDP (which already shards the fp32 masters, gradients and "
-            "parameters over the data-parallel ranks): drop --muon-cpu-offload / --optimizer-cpu-offload",
-        ),
-        (
-            on("optimizer_cpu_offload") and not on("muon_cpu_offload"),
-            "offloads with --optimizer-cpu-offload "
-            "only together with --muon-cpu-offload (the Muon momentum and fp32 masters go to the CPU): add it",
-        ),
-        (
-            on("use_precision_aware_optimizer") and not on("optimizer_cpu_offload"),
-            "does not support --use-precision-aware-optimizer: drop it",
-        ),
-        (on("num_distributed_optimizer_instances", 1) != 1, "needs --num-distributed-optimizer-instances 1"),
-        (
-            on("dump_param_to_param_group_map", None) is not None,
-            "does not support --dump-param-to-param-group-map: drop it",
-        ),
+        (on("dump_param_to_param_group_map", None) is not None, NO_PARAM_GROUP_MAP),
         (
             any(on(k, None) for k in ("save", "load", "pretrained_checkpoint"))
             and on("ckpt_format", "torch_dist") != _checkpoint_format(args),
             f"saves and loads only --ckpt-format {_checkpoint_format(args)} "
             f"{'with' if on('use_megatron_fsdp') else 'without'} --use-megatron-fsdp "
             f"(got {on('ckpt_format', None)!r}): use it",
-        ),
-        (
-            overlap_refusal is not None,
-            f"cannot finish the step during the next forward (--muon-step-overlap forward): {overlap_refusal}; "
-            "or use --muon-step-overlap none (auto overlaps wherever it can)",
         ),
         (
             on("async_save") and on("ckpt_format", None) == "fsdp_dtensor",
@@ -245,9 +238,7 @@ def check_supported(args: argparse.Namespace) -> None:
     ]
     for bad, why in problems:
         if bad:
-            raise ValueError(f"megatron_muon (--optimizer muon --muon-impl megatron_muon) {why}.")
-    if on("use_megatron_fsdp"):
-        check_megatron_fsdp(args, where="megatron_muon (--optimizer muon --use-megatron-fsdp)")
+            raise ValueError(f"{WHO} {why}.")
 
 
 def _check_megatron_choices(args: argparse.Namespace) -> None:
@@ -499,7 +490,7 @@ def _wrap_get_megatron_optimizer(original: Callable, installed: _Installation) -
         call.apply_defaults()
         p = call.arguments
         if p.get("dump_param_to_param_group_map") is not None:  # a direct call (the flag fails validation)
-            raise ValueError("megatron_muon: --dump-param-to-param-group-map is not supported; drop it.")
+            raise ValueError(f"{WHO} {NO_PARAM_GROUP_MAP}.")
         optimizer = get_muon_optimizer(
             with_optimizer_config(installed.muon_config, config),
             model_chunks,

@@ -4,10 +4,13 @@ with the modules Muon and QK-Clip need on the local (transformer-engine-free) ba
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from megatron_muon import patching
 from megatron_muon.attention import RecordingDotProductAttention
 from megatron_muon.layer_specs import use_sequence_parallel_norms, use_tensor_parallel_mla
+
+from . import patches
 
 
 def megatron_lm_layer_spec(config, vp_stage: Optional[int] = None):
@@ -49,7 +52,7 @@ def use_our_modules(spec, sequence_parallel: bool) -> None:
             use_sequence_parallel_norms(layer)
 
 
-def _with_our_mtp_layers(original: Callable) -> Callable:
+def _with_our_mtp_layers(original: Callable, context: Any = None) -> Callable:
     """Megatron-LM's ``mtp_block_spec``, whose MTP layers get our modules when the model's
     layer spec is :func:`megatron_lm_layer_spec` on the local backend.
 
@@ -72,18 +75,15 @@ def _with_our_mtp_layers(original: Callable) -> Callable:
                 use_sequence_parallel_norms(layer)  # the MTP layer's own norms
         return spec
 
-    mtp_block_spec.__megatron_muon__ = True  # type: ignore[attr-defined]
     return mtp_block_spec
 
 
 def install_mtp_layer_spec() -> None:
-    """Install :func:`_with_our_mtp_layers` over ``megatron.training.models.gpt.mtp_block_spec``
-    (looked up by ``GPTModelBuilder.build_model`` at call time); a second call is a no-op.
-    It acts only on models built with :func:`megatron_lm_layer_spec`."""
-    import megatron.training.models.gpt as gpt
-
-    if not getattr(gpt.mtp_block_spec, "__megatron_muon__", False):
-        gpt.mtp_block_spec = _with_our_mtp_layers(gpt.mtp_block_spec)
+    """Put ``patches.MTP_LAYERS`` (:func:`_with_our_mtp_layers` over Megatron-LM's
+    ``mtp_block_spec``, which ``GPTModelBuilder.build_model`` looks up at call time) in force
+    for the process; a second call is a no-op. It acts only on models built with
+    :func:`megatron_lm_layer_spec`."""
+    patching.install(patches.MTP_LAYERS)
 
 
 def gpt_model_config(args):

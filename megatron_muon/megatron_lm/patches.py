@@ -11,8 +11,12 @@ are installed in groups, each by one caller, all through :mod:`megatron_muon.pat
 * the ``*_SCOPE`` rows: in force only while one call of ours runs (a listing held back, a
   save's DCP call staged);
 * :data:`LAUNCH`: ``launch.install_launch_validation`` (``tools/pretrain_gpt.py``);
-* :data:`CPU_CORE`, :data:`CPU_TRAINING`: ``cpu.install`` on a machine without a GPU only
-  (``cpu_only``).
+* :data:`MTP_LAYERS`: ``layer_spec.install_mtp_layer_spec``, when a run builds our layer spec;
+* :data:`~megatron_muon.megatron_fsdp_fix.SINGLE_RANK_GROUPS`, the core's one row (declared
+  there): ``fix_gradient_accumulation_on_single_rank_groups()``, which the library user, the
+  glue and the harness call before wrapping a model in Megatron-FSDP;
+* the ``cpu_only`` rows (:data:`CPU_CORE`, :data:`CPU_INITIALIZATION` and the others): ``cpu.install``
+  on a machine without a GPU only; :data:`WHEEL` on any device.
 
 docs/design.md ("Inside Megatron-LM") says where each hooks in.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from megatron_muon.checkpoint.reading import READERS
+from megatron_muon.megatron_fsdp_fix import SINGLE_RANK_GROUPS
 from megatron_muon.patching import Patch
 
 MCORE = "megatron-core 0.19.2"
@@ -224,6 +229,17 @@ WRITER_QUEUE: Tuple[Patch, ...] = (
         "get_write_results_queue",
         "megatron_muon.megatron_lm.process_lifetime:_write_results_queue_dying_with_this_rank",
         "the checkpoint writers' results manager is forked from the rank and dies with it",
+        MCORE,
+    ),
+)
+
+MTP_LAYERS: Tuple[Patch, ...] = (
+    Patch(
+        "megatron.training.models.gpt",
+        "mtp_block_spec",
+        "megatron_muon.megatron_lm.layer_spec:_with_our_mtp_layers",
+        "Megatron-LM builds the MTP layers from its default decoder layer spec, not the model's: with our local "
+        "layer spec they get our modules too (MLA head sizes, QK-Clip's max logits, TP-correct MLA)",
         MCORE,
     ),
 )
@@ -606,8 +622,10 @@ PATCHES: Tuple[Patch, ...] = (
     + CPU_DEVICE_ARCHITECTURE
     + CPU_NO_PREMUL_SUM
     + CPU_JIT_WARMUP
+    + MTP_LAYERS
+    + SINGLE_RANK_GROUPS
 )
-"""Every row (what is not moved here yet is listed in tests/unit/test_patches.py)."""
+"""Every row (what is assigned on an object, not on Megatron's code, is listed in tests/unit/test_patches.py)."""
 
 # What each target was when its row was written: ``patching.signature_text(original)`` and, where the
 # replacement restates part of the original (a reader, the writers' queue, the fsdp_dtensor
@@ -848,6 +866,14 @@ WRITTEN_AGAINST: Dict[Tuple[str, str], Tuple[str, Optional[str]]] = {
     ),
     ("megatron.training.initialize", "_warmup_jit_function"): (
         "(tp_size=None)",
+        None,
+    ),
+    ("megatron.training.models.gpt", "mtp_block_spec"): (
+        "(config: 'GPTModelConfig', transformer_layer_spec: megatron.core.transformer.spec_utils.ModuleSpec, vp_stage: int | None = None) -> megatron.core.transformer.spec_utils.ModuleSpec | None",
+        None,
+    ),
+    ("megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer:DataParallelBuffer", "__init__"): (
+        "(self, ddp_config: megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig, params: List[torch.nn.parameter.Parameter], is_data_distributed: bool, bucket_id: int, dtype: Optional[torch.dtype] = None, device: Optional[torch.device] = None, data_parallel_group: Optional[torch.distributed.distributed_c10d.ProcessGroup] = None, dp_rank: Optional[int] = None, temporary_bucket_allocator: Optional[megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.TemporaryBucketAllocator] = None, is_transpose_buffer: bool = False, gradient_scaling_factor: Optional[float] = None, chunk_size_factor: int = 1, mem_alloc_context: Optional[Callable] = None, item_index_map: Optional[Dict[int, megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.TensorItemIndex]] = None, bucket_index: Optional[megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.BucketIndex] = None, shard_bucket_index: Optional[megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer.ShardBucketIndex] = None) -> None",
         None,
     ),
 }

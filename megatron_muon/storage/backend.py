@@ -7,8 +7,11 @@ holds, and this rank's fp32 master of it. Everything around the step that depend
 the engine stores the model is the backend's, chosen once when ``get_muon_optimizer``
 builds the optimizer:
 
-* before the optimizer: refusing what the engine cannot do (:meth:`check`), preparing the
-  chunks (:meth:`prepare`), whether the buffers are owner-aligned (:meth:`owner_aligned`);
+* before the optimizer: refusing the settings the engine cannot run (:meth:`requirements`,
+  its part of the support matrix, ``support.py``: read from the config and the chunks by
+  ``get_muon_optimizer`` and from Megatron-LM's arguments by its argument check) and chunks
+  it did not wrap as it needs (:meth:`check`), preparing the chunks (:meth:`prepare`),
+  whether the buffers are owner-aligned (:meth:`owner_aligned`);
 * building the shard map (the constructor);
 * gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`release_master_grads`);
 * masters -> model parameters (:meth:`copy_masters_to_model`) and the parameter sync
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..shard_map import ShardMap
+from ..support import Settings, step_overlap_cannot_run
 
 
 class StorageBackend:
@@ -45,8 +49,32 @@ class StorageBackend:
         raise NotImplementedError
 
     @classmethod
+    def requirements(cls, settings: Settings) -> List[str]:
+        """What this engine needs of a run's settings (``support.Settings``), one refusal each,
+        naming the setting, its flag and the fix; empty when it runs. Every engine: the
+        distributed optimizer's sharding, one instance of it, and the step overlap where asked."""
+        refusals = []
+        if not all(getattr(d, "use_distributed_optimizer", False) for d in settings.ddp):
+            refusals.append(
+                "megatron_muon needs use_distributed_optimizer=True (DistributedDataParallelConfig, "
+                "--use-distributed-optimizer): the Muon optimizer shards its state like Megatron's "
+                "DistributedOptimizer; add it, or with Megatron-LM use --muon-impl megatron for Megatron-core's Muon"
+            )
+        if any(getattr(d, "num_distributed_optimizer_instances", 1) != 1 for d in settings.ddp):
+            refusals.append(
+                "megatron_muon needs num_distributed_optimizer_instances=1 (--num-distributed-optimizer-instances 1): "
+                "more than one distributed-optimizer instance (HSDP on Megatron-FSDP) is not supported"
+            )
+        if getattr(settings.optimizer, "muon_step_overlap", "none") == "forward":
+            why = cls.step_overlap_refusal(settings.ddp)
+            if why is not None:
+                refusals.append(step_overlap_cannot_run(why))
+        return refusals
+
+    @classmethod
     def check(cls, model_chunks: Sequence[torch.nn.Module], config) -> None:
-        """Refuse, naming the fix, what the Muon optimizer cannot run on with this engine."""
+        """Refuse, naming the fix, chunks this engine did not wrap as the optimizer needs
+        (what the settings alone say is :meth:`requirements`')."""
         raise NotImplementedError
 
     @classmethod

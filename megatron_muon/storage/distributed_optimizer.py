@@ -61,17 +61,6 @@ class DistributedOptimizerStorage(StorageBackend):
                     "DistributedDataParallel(config, DistributedDataParallelConfig("
                     "use_distributed_optimizer=True), module=chunk) first."
                 )
-            if not chunk.ddp_config.use_distributed_optimizer:
-                raise ValueError(
-                    f"get_muon_optimizer: model chunk {i} was wrapped with "
-                    "DistributedDataParallelConfig(use_distributed_optimizer=False); the Muon optimizer "
-                    "shards its state like Megatron's distributed optimizer and needs "
-                    "use_distributed_optimizer=True (Megatron-LM: --use-distributed-optimizer)."
-                )
-            if chunk.ddp_config.num_distributed_optimizer_instances != 1:
-                raise NotImplementedError(
-                    "get_muon_optimizer: num_distributed_optimizer_instances > 1 is not supported yet."
-                )
 
     @classmethod
     def chunk_buffers(cls, model_chunks: Sequence[torch.nn.Module], expert: bool) -> Dict[int, list]:

@@ -23,14 +23,18 @@ Megatron's byte-level DDP layout.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from ..checkpoint import fsdp_dtensor
+from ..megatron_fsdp_fix import SINGLE_RANK_GROUPS as SINGLE_RANK_GROUPS  # the defect's fix, here for callers
+from ..megatron_fsdp_fix import (
+    fix_gradient_accumulation_on_single_rank_groups as fix_gradient_accumulation_on_single_rank_groups,
+)
 from ..shard_map import FlatRange, ParamShard, ShardMap
+from ..support import Settings
 from ..timers import megatron_timer
 from .backend import StorageBackend
 
@@ -45,41 +49,40 @@ def is_megatron_fsdp(chunk: torch.nn.Module) -> bool:
     return bool(getattr(ddp_config, "use_megatron_fsdp", False)) and hasattr(chunk, "param_and_grad_buffer")
 
 
-def check_megatron_fsdp(ddp_config, where: str = "get_muon_optimizer") -> None:
-    """Refuse Megatron-FSDP settings under which the gradients Muon reads are wrong or
-    not sharded, naming the fix. ``ddp_config``: a ``DistributedDataParallelConfig`` or
-    Megatron-LM's arguments (same names)."""
+def megatron_fsdp_requirements(ddp_config) -> List[str]:
+    """The Megatron-FSDP settings under which the gradients Muon reads are wrong or not
+    sharded, one refusal each, naming the fix. ``ddp_config``: a ``DistributedDataParallelConfig``
+    or Megatron-LM's arguments (same names)."""
+    refusals = []
     strategy = ddp_config.data_parallel_sharding_strategy
     if strategy not in STRATEGIES:
-        raise ValueError(
-            f"{where}: Megatron-FSDP with data_parallel_sharding_strategy={strategy!r} is not supported; use "
+        refusals.append(
+            f"Megatron-FSDP with data_parallel_sharding_strategy={strategy!r} is not supported; use "
             f"one of {', '.join(STRATEGIES)} (--data-parallel-sharding-strategy), or DDP with the distributed "
-            "optimizer (drop --use-megatron-fsdp) to keep parameters unsharded."
+            "optimizer (drop --use-megatron-fsdp) to keep parameters unsharded"
         )
     if strategy == "optim" and not ddp_config.overlap_grad_reduce:
         # Megatron-FSDP 0.19 reduces 'optim' gradients twice without overlap: in the backward
         # hook of the last micro-batch and again in finish_grad_sync (AdamW is hit too).
-        raise ValueError(
-            f"{where}: Megatron-FSDP's 'optim' sharding reduces gradients twice (wrong values) unless "
-            "DistributedDataParallelConfig.overlap_grad_reduce=True (--overlap-grad-reduce); set it."
+        refusals.append(
+            "Megatron-FSDP's 'optim' sharding reduces gradients twice (wrong values) unless "
+            "DistributedDataParallelConfig.overlap_grad_reduce=True (--overlap-grad-reduce); set it"
         )
     if getattr(ddp_config, "pipeline_model_parallel_size", 1) > 1:
         # Megatron-LM's arguments only (a DDP config has no pipeline size): the library path
         # fails inside Megatron-FSDP's own constructor instead.
-        raise ValueError(
-            f"{where}: Megatron-FSDP in megatron-core 0.19 builds its device mesh over all ranks as "
+        refusals.append(
+            "Megatron-FSDP in megatron-core 0.19 builds its device mesh over all ranks as "
             "DP x EP x TP, so pipeline parallelism fails inside it; use --pipeline-model-parallel-size 1 "
-            "with --use-megatron-fsdp, or drop --use-megatron-fsdp."
-        )
-    if ddp_config.num_distributed_optimizer_instances != 1:
-        raise ValueError(
-            f"{where}: Megatron-FSDP with num_distributed_optimizer_instances > 1 (HSDP) is not supported."
+            "with --use-megatron-fsdp, or drop --use-megatron-fsdp"
         )
     if getattr(ddp_config, "megatron_fsdp_main_params_dtype", torch.float32) is None:
-        raise ValueError(
-            f"{where}: Megatron-FSDP without main weights (megatron_fsdp_main_params_dtype=None) would step "
-            "the compute weights; keep megatron_fsdp_main_params_dtype=torch.float32 (--megatron-fsdp-main-params-dtype fp32)."
+        refusals.append(
+            "Megatron-FSDP without main weights (megatron_fsdp_main_params_dtype=None, --megatron-fsdp-main-params-dtype "
+            "auto) would step "
+            "the compute weights; keep megatron_fsdp_main_params_dtype=torch.float32 (--megatron-fsdp-main-params-dtype fp32)"
         )
+    return refusals
 
 
 def _shard_range(bucket_index, item_index, dp_size: int, dp_rank: int) -> FlatRange:
@@ -178,14 +181,22 @@ class MegatronFSDPStorage(StorageBackend):
         return is_megatron_fsdp(chunk)
 
     @classmethod
-    def check(cls, model_chunks: Sequence[torch.nn.Module], config) -> None:
-        check_megatron_fsdp(model_chunks[0].ddp_config)
-        check_single_rank_groups(model_chunks)
-        if config.muon_cpu_offload or config.optimizer_cpu_offload:
-            raise NotImplementedError(
-                "get_muon_optimizer: CPU offload (muon_cpu_offload / optimizer_cpu_offload) is not supported on "
-                "Megatron-FSDP; Megatron-FSDP already shards the masters, gradients and parameters over DP."
+    def requirements(cls, settings: Settings) -> List[str]:
+        refusals = super().requirements(settings)
+        for ddp_config in settings.ddp[:1]:  # one wrapping for every chunk
+            refusals += megatron_fsdp_requirements(ddp_config)
+        optimizer = settings.optimizer
+        if getattr(optimizer, "muon_cpu_offload", False) or getattr(optimizer, "optimizer_cpu_offload", False):
+            refusals.append(
+                "megatron_muon does not offload to the CPU on Megatron-FSDP (CPU offload: muon_cpu_offload / "
+                "optimizer_cpu_offload, --muon-cpu-offload / --optimizer-cpu-offload), which already shards the fp32 "
+                "masters, gradients and parameters over the data-parallel ranks: drop them"
             )
+        return refusals
+
+    @classmethod
+    def check(cls, model_chunks: Sequence[torch.nn.Module], config) -> None:
+        check_single_rank_groups(model_chunks)
 
     @classmethod
     def prepare(cls, model_chunks: Sequence[torch.nn.Module]) -> Dict[bool, Any]:
@@ -294,43 +305,6 @@ class MegatronFSDPStorage(StorageBackend):
 # --------------------------------------------------------------------------------------
 # A Megatron-FSDP defect (megatron-core 0.19.2, any device)
 # --------------------------------------------------------------------------------------
-
-_FIXED: Dict[str, object] = {}
-
-
-def fix_gradient_accumulation_on_single_rank_groups() -> None:
-    """Make Megatron-FSDP accumulate micro-batch gradients right where a data-parallel group
-    has one rank (expert parameters with ``expert_model_parallel_size`` equal to the DP size).
-
-    Under ``optim_grads`` / ``optim_grads_params`` Megatron-FSDP reduces the gradient after
-    every micro-batch and scales the bucket by ``1/dp`` before the reduction. A main-grad
-    buffer of a one-rank group is built unsharded, so its bucket is the accumulated gradient
-    itself and earlier micro-batches are scaled again at every later one (two micro-batches
-    give ``g1/4 + g2/2`` instead of ``(g1 + g2)/2``). Built as "distributed" (a one-rank shard
-    is the whole bucket), each micro-batch's gradient goes through a temporary bucket and is
-    added, as on larger groups. Call before wrapping with ``FullyShardedDataParallel``
-    (``get_muon_optimizer`` refuses chunks built without it); idempotent."""
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
-
-    if "DataParallelBuffer" in _FIXED:
-        return
-    original = pgb.DataParallelBuffer.__init__
-    _FIXED["DataParallelBuffer"] = original
-
-    @functools.wraps(original)
-    def __init__(self, ddp_config, params, is_data_distributed, bucket_id, *args, **kwargs):
-        group = kwargs.get("data_parallel_group")
-        if (
-            not is_data_distributed
-            and kwargs.get("gradient_scaling_factor") is not None  # main-grad buffers only
-            and ddp_config.data_parallel_sharding_strategy in ("optim_grads", "optim_grads_params")
-            and group is not None
-            and group.size() == 1
-        ):
-            is_data_distributed = True
-        original(self, ddp_config, params, is_data_distributed, bucket_id, *args, **kwargs)
-
-    pgb.DataParallelBuffer.__init__ = __init__
 
 
 def check_single_rank_groups(chunks: Sequence[torch.nn.Module], where: str = "get_muon_optimizer") -> None:

@@ -86,9 +86,7 @@ def test_bf16_model_equals_the_distributed_optimizer_run():
 def _refusals():
     """Each refused setting's message, built on one rank (EP == DP makes a one-rank group)."""
     import megatron_muon.storage.megatron_fsdp as F
-    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as pgb
-
-    from megatron_muon import get_muon_optimizer
+    from megatron_muon import get_muon_optimizer, patching
     from tests.helpers.training import muon_config
 
     out = {}
@@ -114,8 +112,7 @@ def _refusals():
         except (ValueError, NotImplementedError) as e:
             out[name] = str(e)
     # Without the fix, a one-rank group's gradient buffer is unsharded: refused.
-    fixed = pgb.DataParallelBuffer.__init__
-    pgb.DataParallelBuffer.__init__ = F._FIXED["DataParallelBuffer"]
+    patching.install(F.SINGLE_RANK_GROUPS).undo()  # Megatron-FSDP's own constructor again
     try:
         chunks = M.build_model_chunks(spec)
         from megatron.core.distributed import DistributedDataParallelConfig, FullyShardedDataParallel
@@ -130,7 +127,7 @@ def _refusals():
     except ValueError as e:
         out["single rank"] = str(e)
     finally:
-        pgb.DataParallelBuffer.__init__ = fixed
+        F.fix_gradient_accumulation_on_single_rank_groups()
     return out
 
 

@@ -675,6 +675,25 @@ BAD_INPUT = [
         "does not offload to the CPU on Megatron-FSDP",
     ),
     (["--recipe", "tiny_gqa", "--muon-step-overlap", "forward"], "needs --overlap-param-gather"),
+    # the rest of the support matrix (megatron_muon/support.py), each refusal once
+    (["--recipe", "tiny_gqa", "--optimizer", "dist_muon"], "--optimizer dist_muon is deprecated"),
+    (["--recipe", "tiny_gqa", "--use-precision-aware-optimizer"], "does not support use_precision_aware_optimizer"),
+    (
+        ["--recipe", "tiny_gqa", "--reuse-grad-buf-for-mxfp8-param-ag"],
+        "does not support reuse_grad_buf_for_mxfp8_param_ag",
+    ),
+    (
+        ["--recipe", "tiny_gqa", "--num-distributed-optimizer-instances", "2"],
+        "needs num_distributed_optimizer_instances=1",
+    ),
+    (["--recipe", "tiny_gqa", "--optimizer-cpu-offload"], "optimizer_cpu_offload=True needs muon_cpu_offload=True"),
+    (["--recipe", "tiny_gqa", "--use-torch-fsdp2"], "does not support Torch FSDP2"),
+    (["--recipe", "tiny_gqa", "--dump-param-to-param-group-map", "m.json"], "--dump-param-to-param-group-map"),
+    (
+        ["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--megatron-fsdp-main-params-dtype", "auto"],
+        "Megatron-FSDP without main weights",
+    ),
+    (["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--async-save"], "saves fsdp_dtensor checkpoints synchronously"),
     (["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-step-overlap", "forward"], "not on Megatron-FSDP"),
     (["--recipe", "tiny_gqa", "--muon-step-overlap", "later"], "muon_step_overlap='later' is not supported"),
     (

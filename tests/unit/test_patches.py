@@ -23,6 +23,7 @@ import types
 import pytest
 
 from megatron_muon import patching
+from megatron_muon.megatron_fsdp_fix import SINGLE_RANK_GROUPS
 from megatron_muon.megatron_lm import patches
 from megatron_muon.patching import Patch
 from tests.helpers import REPO
@@ -208,13 +209,14 @@ def test_scopes_nest_and_leave_an_install_in_force(target):
     assert target.f is f and not patching._slots
 
 
-def _all_rows_values():
-    return {(p.target, p.attribute): patching._raw(p.owner(), p.attribute) for p in patches.PATCHES}
+def _all_rows_values(leaving=()):
+    return {(p.target, p.attribute): patching._raw(p.owner(), p.attribute) for p in patches.PATCHES if p not in leaving}
 
 
 def test_megatron_groups_in_every_order_restore_megatron_by_identity():
     """``use_megatron_muon``, the launch validation and the CPU argument rows on Megatron-LM's
-    real modules, installed and undone in every order: Megatron's own objects again."""
+    real modules, installed and undone in every order: Megatron's own objects again (but for
+    the Megatron-FSDP fix ``use_megatron_muon`` leaves in force for the process, undone last)."""
     import megatron.training.arguments as arguments
 
     from megatron_muon.megatron_lm import integration
@@ -229,6 +231,8 @@ def test_megatron_groups_in_every_order_restore_megatron_by_identity():
         "premul": lambda: patching.install(patches.CPU_NO_PREMUL_SUM).undo,
     }
     stacked = {"launch": 4, "integration": 3, "premul": 2, "arch": 1}
+    kept = SINGLE_RANK_GROUPS
+    kept_slots = {(p.target, p.attribute) for p in kept}
     for order in itertools.permutations(groups):
         undos = {name: groups[name]() for name in order}
         chain, function = [], arguments.validate_args
@@ -239,10 +243,12 @@ def test_megatron_groups_in_every_order_restore_megatron_by_identity():
         for undo_order in (order, tuple(reversed(order))):
             for name in undo_order:
                 undos[name]()
-            assert _all_rows_values() == before
+            assert _all_rows_values(kept) == {k: v for k, v in before.items() if k not in kept_slots}
+            assert all(patching.installed(p) for p in kept)
             undos = {name: groups[name]() for name in order}
         for undo in undos.values():
             undo()
+    patching.install(kept).undo()
     assert _all_rows_values() == before and not patching._slots
 
 
@@ -283,9 +289,6 @@ NOT_IN_THE_TABLE = {
     "function the WRITER_QUEUE row restates (Megatron-core's own function assigns it the same way)",
     ("megatron_lm/cpu.py", "torch._dynamo.config.disable"): "a torch setting (dynamo off on the CPU path), "
     "not a replaced function",
-    ("storage/megatron_fsdp.py", "pgb.DataParallelBuffer.__init__"): "not moved yet (issue 54): the core's "
-    "Megatron-FSDP defect fix, to become a function the core exposes and the glue installs",
-    ("megatron_lm/layer_spec.py", "gpt.mtp_block_spec"): "not moved yet (issue 54)",
     ("testing/traffic.py", "dist"): "the harness counting collective bytes inside one test's block, never in a run",
     ("testing/traffic.py", "pgb"): "the harness counting collective bytes inside one test's block, never in a run",
 }
@@ -343,6 +346,76 @@ def test_no_assignment_to_megatron_outside_the_installer():
     assert not set(NOT_IN_THE_TABLE) - set(found), "NOT_IN_THE_TABLE lists what is gone: remove it"
 
 
+# Megatron's objects (not its code) that the package gives a method of its own: each a hook on
+# one instance, living and dying with it, so not a row of the table (whose slots are the
+# attributes of modules and classes, restored by identity for the whole process).
+ON_OBJECTS = {
+    ("storage/distributed_optimizer.py", "unit.start_param_sync"): "the step overlap's hook on each DDP bucket "
+    "group of one optimizer's buffers (pipeline.PendingStep, storage hook_param_sync): the group's all-gather "
+    "runs the pending step's work on its parameters first; a later optimizer's hook replaces an earlier one's, "
+    "and the hook goes with the model",
+}
+"""(file under megatron_muon/, assigned attribute): why a Megatron object's method is replaced there."""
+
+OBJECT_CLASSES = (
+    "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup",
+    "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBuffer",
+    "megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+    "megatron.core.optimizer.optimizer:ChainedOptimizer",
+)
+"""The Megatron classes whose instances the package holds (model chunks, bucket groups,
+buffers, optimizers): an assignment to one of their methods' names is a hook on an object."""
+
+
+def _method_names() -> set:
+    import importlib
+
+    names = set()
+    for spec in OBJECT_CLASSES:
+        module, _, name = spec.partition(":")
+        for cls in getattr(importlib.import_module(module), name).__mro__:
+            if cls is not object:
+                names.update(
+                    n for n, v in vars(cls).items() if callable(v) or isinstance(v, (staticmethod, classmethod))
+                )
+    return names
+
+
+def assignments_to_methods(path, names) -> list:
+    """``obj.method = ...`` / ``setattr(obj, "method", ...)`` for a method name of
+    :data:`OBJECT_CLASSES`, outside the object's own class (``self``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            targets = [t for t in targets if isinstance(t, ast.Attribute) and t.attr in names]
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+            if len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in names:
+                targets = [ast.Attribute(node.args[0], node.args[1].value)]
+        for t in targets:
+            if _root(t) not in ("self", "cls"):
+                found.append((node.lineno, ast.unparse(t)))
+    return found
+
+
+def test_methods_of_megatron_objects_are_replaced_only_where_listed():
+    names = _method_names()
+    assert "start_param_sync" in names and "step" in names
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == "patching.py":
+            continue
+        for line, target in assignments_to_methods(path, names):
+            found.setdefault((relative, target), []).append(line)
+    unexplained = {key: lines for key, lines in found.items() if key not in ON_OBJECTS}
+    assert not unexplained, f"methods of Megatron's objects replaced outside the table: {unexplained}"
+    assert not set(ON_OBJECTS) - set(found), "ON_OBJECTS lists what is gone: remove it"
+
+
 def test_the_ast_check_sees_an_assignment(tmp_path):
     path = tmp_path / "m.py"
     path.write_text(
@@ -350,3 +423,11 @@ def test_the_ast_check_sees_an_assignment(tmp_path):
         "def f(args):\n    arguments.validate_args = f\n    setattr(cuda, 'x', 1)\n    args.x = 1\n"
     )
     assert assignments_to_megatron(path) == [(4, "arguments.validate_args"), (5, "cuda")]
+    path.write_text(
+        "def f(group, self):\n    group.start_param_sync = f\n    self.start_param_sync = f\n"
+        "    setattr(group, 'step', f)\n    group.other = f\n"
+    )
+    assert assignments_to_methods(path, {"start_param_sync", "step"}) == [
+        (2, "group.start_param_sync"),
+        (4, "group.step"),
+    ]
