@@ -117,6 +117,29 @@ def scale_master_rows_(shard_map, param: torch.nn.Parameter, factors: torch.Tens
         scale_rows_(shard.master, shard.start, shard.end, storage_shape(param)[1], factors)
 
 
+def clip_requirements(qk_layernorm: bool, query_groups: int, tp_size: int, where: str = "") -> List[str]:
+    """What QK-Clip needs of an attention to bound its logits by scaling W_q / W_k, as one
+    sentence each naming the setting, its Megatron-LM flag and the fix (``where`` names the
+    layer once a model is built): read by :meth:`QKClip.from_model` on the built modules and
+    by Megatron-LM's argument check on the flags, before any model is built. MLA is exempt:
+    its norms act on the latents, which clipping leaves exact."""
+    at = f" ({where})" if where else ""
+    refusals = []
+    if qk_layernorm:
+        refusals.append(
+            f"QK-Clip cannot bound the logits{at} with qk_layernorm (--qk-layernorm): the q / k norms after the "
+            "projections undo any scaling of W_q / W_k (the logits are bounded by the norms' weights); disable "
+            "qk_layernorm or qk_clip (--qk-clip)"
+        )
+    if query_groups < tp_size:
+        refusals.append(
+            f"QK-Clip cannot clip{at} {query_groups} query groups (num_query_groups, --num-query-groups) at "
+            f"tensor_model_parallel_size {tp_size} (--tensor-model-parallel-size): a query group's rows would be "
+            "split over TP ranks; use at least as many query groups as TP ranks, or disable qk_clip (--qk-clip)"
+        )
+    return refusals
+
+
 class QKClip:
     """QK-Clip for the attention layers of this rank's model chunks."""
 
@@ -170,19 +193,10 @@ class QKClip:
                 heads = module.num_attention_heads_per_partition
                 if isinstance(module, SelfAttention):
                     norms = (getattr(module, "q_layernorm", None), getattr(module, "k_layernorm", None))
-                    if tconfig.qk_clip and any(n is not None and not isinstance(n, IdentityOp) for n in norms):
-                        raise ValueError(
-                            f"QK-Clip cannot bound the logits of {full}: qk_layernorm normalizes q and k "
-                            "after the projection, so scaling W_q / W_k does not change them. Disable "
-                            "qk_layernorm or qk_clip."
-                        )
-                    if tconfig.qk_clip and tconfig.num_query_groups < module.world_size:
-                        raise ValueError(
-                            f"QK-Clip cannot clip {full}: num_query_groups={tconfig.num_query_groups} < "
-                            f"tensor_model_parallel_size={module.world_size} splits a query group's "
-                            "rows over TP ranks. Use at least as many query groups as TP ranks, or "
-                            "disable qk_clip."
-                        )
+                    normed = any(n is not None and not isinstance(n, IdentityOp) for n in norms)
+                    refusals = clip_requirements(normed, tconfig.num_query_groups, module.world_size, full)
+                    if tconfig.qk_clip and refusals:
+                        raise ValueError(refusals[0])
                     weights = [("qkv", module.linear_qkv.weight)]
                     groups = module.num_query_groups_per_partition
                     layers.append(ClipLayer(full, module, "gqa", weights, heads, groups))

@@ -226,24 +226,20 @@ def check_values(args: argparse.Namespace) -> None:
 
 
 def check_qk_clip_can_bound_the_logits(args: argparse.Namespace) -> None:
-    """What QK-Clip refuses once the model is built (``QKClip.from_model``), from the flags:
-    q / k norms after the projections (Qwen3's ``--qk-layernorm``; with MLA the flag means
-    DeepSeek-V3's norms on the latents, which clipping leaves exact) and a query group split
-    over tensor-parallel ranks."""
+    """What QK-Clip refuses once the model is built (:func:`~megatron_muon.qk_clip.clip_requirements`,
+    read by ``QKClip.from_model``), from the flags, before the build."""
     if not getattr(args, "qk_clip", False) or getattr(args, "multi_latent_attention", False):
         return
-    if getattr(args, "qk_layernorm", False):
-        raise ValueError(
-            "--qk-clip with --qk-layernorm: the q / k norms after the projections undo any scaling of W_q / W_k, so "
-            "QK-Clip cannot bound the logits (they are bounded by the norms' weights); drop --qk-clip or --qk-layernorm"
-        )
+    from megatron_muon.qk_clip import clip_requirements
+
     groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
-    groups = groups or args.num_attention_heads
-    if groups < args.tensor_model_parallel_size:
-        raise ValueError(
-            f"--qk-clip with {groups} query groups at --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
-            "a query group's rows would be split over TP ranks; use at least as many query groups as TP ranks"
-        )
+    refusals = clip_requirements(
+        bool(getattr(args, "qk_layernorm", False)),
+        groups or args.num_attention_heads,
+        args.tensor_model_parallel_size,
+    )
+    if refusals:
+        raise ValueError(refusals[0])
 
 
 def check_schedule(args: argparse.Namespace) -> None:

@@ -598,10 +598,13 @@ BAD_INPUT = [
     (["--recipe", "tiny_gqa", "--qk-clip", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha 1.5 is invalid"),
     # QK-Clip's refusals once the model is built (QKClip.from_model): q / k norms after the
     # projections (Qwen3's; MLA's latent norms are fine), a query group over two TP ranks
-    (["--recipe", "tiny_gqa", "--qk-clip", "--qk-layernorm"], "--qk-clip with --qk-layernorm: the q / k norms"),
+    (
+        ["--recipe", "tiny_gqa", "--qk-clip", "--qk-layernorm"],
+        "QK-Clip cannot bound the logits with qk_layernorm (--qk-layernorm)",
+    ),
     (
         ["--recipe", "tiny_gqa", "--qk-clip", "--tensor-model-parallel-size", "4"],
-        "--qk-clip with 2 query groups at --tensor-model-parallel-size 4",
+        "QK-Clip cannot clip 2 query groups (num_query_groups, --num-query-groups) at tensor_model_parallel_size 4",
     ),
     # Megatron-LM's tokenizer build would fail on these (Hugging Face: "Repo id must be ...")
     (
