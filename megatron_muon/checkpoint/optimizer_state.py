@@ -157,7 +157,7 @@ def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dic
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
     metadata = model_param_metadata(model_sharded_state_dict)
-    values = {} if is_loading else shard_values(opt)
+    values = load_targets(opt) if is_loading else shard_values(opt)
     out: Dict[str, Dict[str, Any]] = {}
     for name, param in params_in_order(opt):
         sh = metadata.get(id(param))
@@ -178,9 +178,9 @@ def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dic
                 key: [
                     piece.sharded_tensor(
                         state_key(key, piece.placement.key),
-                        torch.empty(piece.shape, dtype=torch.float32, device=param.device)
-                        if is_loading
-                        else piece.take(values[id(param)][key]),
+                        piece.take(values[id(param)][key])
+                        if key in values.get(id(param), {})
+                        else torch.empty(piece.shape, dtype=torch.float32, device=param.device),
                     )
                     for piece in pieces
                 ]
@@ -190,9 +190,30 @@ def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dic
     return out
 
 
+def load_targets(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+    """id(param) -> {state: the tensor holding this rank's range of it} where one exists that
+    a load can fill in place (the fp32 master, the per-shard states; not the owner-kept
+    ones, which live per logical matrix): a box that is a contiguous run of it is read by
+    DCP straight into it, so a load allocates nothing for it."""
+    owner_kept = {s.name for s in muon_states(opt.config, "owner")}
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for shard in opt.shard_map:
+        if shard.master is None:
+            continue
+        state = opt.optimizer.state.get(shard.master, {})
+        mine = out[id(shard.param)] = {}
+        for name in state_names(opt, shard.param):
+            t = shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
+            if t is not None and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == shard.master.numel():
+                mine[name] = t.view(-1)
+    return out
+
+
 def own_ranges(opt, param_state: Mapping[str, Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]:
     """What a load of :func:`_sharded_param_state` returned, as ``{python key: {state: this
-    rank's range of it, 1-D}}`` for :func:`load_param_state`."""
+    rank's range of it, 1-D}}`` for :func:`load_param_state`: the load's targets
+    (:func:`load_targets`), every box put in place (a no-op for one read in place)."""
+    targets = load_targets(opt)
     out: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, param in params_in_order(opt):
         entry = param_state[name]
@@ -200,7 +221,10 @@ def own_ranges(opt, param_state: Mapping[str, Dict[str, Any]]) -> Dict[str, Dict
         shard = opt.shard_map[param]
         mine = out[name] = {}
         for key in _ranges(entry).keys:
-            flat = mine[key] = torch.empty(shard.end - shard.start if pieces else 0, dtype=torch.float32)
+            flat = targets.get(id(param), {}).get(key)
+            if flat is None:
+                flat = torch.empty(shard.end - shard.start if pieces else 0, dtype=torch.float32)
+            mine[key] = flat
             for piece, value in zip(pieces, entry.get(STATES, {}).get(key, ()), strict=True):
                 piece.put(flat, value)
     return out
@@ -328,6 +352,9 @@ def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step:
             if key not in tensors:
                 continue  # saved without this state (switched on since): it starts at zero
             flat = tensors[key].reshape(-1).to(shard.master.device)
+            current = shard.master if key == MASTER else state.get(key)
+            if current is not None and current.data_ptr() == flat.data_ptr():
+                continue  # read in place (``load_targets``)
             if key == MASTER:
                 shard.master.copy_(flat)
             elif key in owner_kept:

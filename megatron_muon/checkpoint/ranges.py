@@ -168,9 +168,11 @@ class RangePiece:
         return self._view(flat).contiguous().view(self.shape)
 
     def put(self, flat: torch.Tensor, value: torch.Tensor) -> None:
-        """Write the box's values ``value`` into the range's values ``flat``."""
+        """Write the box's values ``value`` into the range's values ``flat`` (nothing to do
+        where ``value`` is the box itself: a load read it in place)."""
         view = self._view(flat)
-        view.copy_(value.reshape(view.shape))
+        if value.data_ptr() != view.data_ptr():
+            view.copy_(value.reshape(view.shape))
 
     def sharded_tensor(self, key: str, data: torch.Tensor) -> Any:
         """This box of the state tensor ``key`` (``data``: its values, :meth:`take`), an
