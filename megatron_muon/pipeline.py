@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .planner import ChunkMessages, Job, Piece
+from .planner import ChunkMessages, Piece
 from .process_groups import OrthoGroup
 from .qk_clip import scale_master_rows_
 from .rule import AppliedChunk, MuonRule
@@ -82,6 +82,41 @@ class MuonPipeline:
     """The process groups of the multi-rank jobs this rank takes part in."""
     offloaded_masters: Optional[OffloadedMasters] = None
     """The fp32 masters in a CPU pool (``optimizer_cpu_offload``), or None."""
+
+    # Owner-kept states in parameter coordinates, for checkpoints (outside the step).
+
+    def owner_state_to_holders(self, name: str) -> Iterator[Tuple[Piece, torch.Tensor]]:
+        """Collective over the orthogonalization group: the owner-kept state ``name`` of
+        every owned matrix, expanded to the matrix (``OwnerStates.expanded``), cut to the
+        holders of its pieces as the step's scatter cuts an update (one exchange per chunk,
+        fp32); yields this rank's pieces ``((param index, start, end), values)``."""
+        for msg in self.messages:
+            outputs = [self.owner_states.expanded(name, job, self.device) for job in msg.owned]
+            send = torch.empty(sum(msg.scatter_send_splits), dtype=torch.float32, device=self.device)
+            cut_pieces(msg, outputs, send)
+            recv, work = exchange(
+                self.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote
+            )
+            if work is not None:
+                work.wait()
+            for p, s, e, offset in msg.scatter_apply:
+                yield (p, s, e), recv[offset : offset + e - s]
+
+    def owner_state_from_holders(self, name: str, inputs: Sequence[Optional[torch.Tensor]]) -> None:
+        """Collective, the reverse of :meth:`owner_state_to_holders`: every holder's pieces
+        of ``inputs`` (the state in parameter coordinates, shaped like the masters) travel
+        to the owners as in the step's gather (one exchange per chunk, fp32), and each owner
+        keeps its matrices' state (``OwnerStates.set_from_expanded``)."""
+        for msg in self.messages:
+            pieces = [inputs[p][s:e] for p, s, e in msg.gather_send]
+            recv, work = exchange(
+                self.group, pieces, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote,
+                torch.float32, self.device,
+            )  # fmt: skip
+            if work is not None:
+                work.wait()
+            for job, matrices in zip(msg.owned, assemble(msg, recv)):
+                self.owner_states.set_from_expanded(name, job, matrices)
 
 
 Clip = Tuple[ShardMap, torch.nn.Parameter, torch.Tensor]
@@ -586,43 +621,10 @@ def cut_pieces(
         torch.cat(run, out=send[start:offset])
 
 
-def gather_matrices(
-    pipeline: MuonPipeline, inputs: Sequence[Optional[torch.Tensor]]
-) -> Iterator[Tuple[Job, List[torch.Tensor]]]:
-    """Collective, outside the step (checkpoints of owner-kept states): every holder's
-    pieces of ``inputs`` (shaped like the masters) travel to the owners as in the step's
-    gather, in fp32, chunk by chunk; yields every owned ``(job, matrices)`` (storage
-    orientation)."""
-    for msg in pipeline.messages:
-        pieces = [inputs[p][s:e] for p, s, e in msg.gather_send]
-        recv, work = exchange(
-            pipeline.group, pieces, msg.gather_send_splits, msg.gather_recv_splits, msg.gather_remote,
-            torch.float32, pipeline.device,
-        )  # fmt: skip
-        if work is not None:
-            work.wait()
-        yield from zip(msg.owned, assemble(msg, recv))
-
-
-def scatter_matrices(
-    pipeline: MuonPipeline, msg: ChunkMessages, outputs: List[List[torch.Tensor]]
-) -> List[Tuple[Piece, torch.Tensor]]:
-    """Collective, the reverse of :func:`gather_matrices` for one chunk: the owned jobs'
-    ``outputs`` (fp32, storage orientation) cut to the holders; returns this rank's pieces."""
-    send = torch.empty(sum(msg.scatter_send_splits), dtype=torch.float32, device=pipeline.device)
-    cut_pieces(msg, outputs, send)
-    recv, work = exchange(pipeline.group, send, msg.scatter_send_splits, msg.scatter_recv_splits, msg.scatter_remote)
-    if work is not None:
-        work.wait()
-    return [((p, s, e), recv[offset : offset + e - s]) for p, s, e, offset in msg.scatter_apply]
-
-
 __all__ = [
     "MuonPipeline",
     "PendingStep",
     "RunNow",
     "StepWork",
-    "gather_matrices",
-    "scatter_matrices",
     "step_overlap_mode",
 ]

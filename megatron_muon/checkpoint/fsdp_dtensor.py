@@ -123,7 +123,7 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
             key: {state: value.to_local() for state, value in saved.get(param_name(opt, param), {}).items()}
             for key, param in params_in_order(opt)
         }
-        load_param_state(opt, local, chain.num_steps, local=True)
+        load_param_state(opt, local, chain.num_steps)
         init_adam_states(opt.optimizer)
         for name, param, _ in _adam_params(opt):
             torch_state = opt.optimizer.state[param]

@@ -5,7 +5,7 @@ its fp32 master weight (``param``) and its states (the registry's, ``state.MUON_
 for a Muon matrix: ``momentum_buffer``, with variance reduction ``second_moment``; AdamW's
 ``exp_avg``, ``exp_avg_sq`` for the others), each with the shape of the parameter and
 exactly the parameter's own sharding metadata (global key, global offsets, TP/PP/EP
-fragmentation, GLU and expert factories, replica ids). So whatever layouts Megatron can
+fragmentation, GLU and expert factories). So whatever layouts Megatron can
 reshard the model between (TP, PP, EP, expert-TP, DP, the expert storage layouts), it
 reshards the optimizer state between too; logical matrices are subsets of parameters and
 follow. The key names are Megatron's ``fully_reshardable`` names
@@ -13,11 +13,15 @@ follow. The key names are Megatron's ``fully_reshardable`` names
 ours only in which state keys exist (``tools/convert_checkpoint.py`` converts).
 
 Saving: states kept per logical matrix on its owner are first expanded to the matrix and
-cut to the holders of its pieces (the step's own scatter, in fp32); then each rank
-all-gathers, over its data-parallel group, the shards of every bucket, so it holds its
-TP-local parameters' full state; Megatron writes one copy (replica ids). Loading: each
-rank reads its TP-local parameters' state and keeps its master's range; owner-kept states
-travel back to the (possibly different) owners.
+cut to the holders of its pieces (the step's own scatter, in fp32); then each rank writes
+only its own range of each parameter, as boxes of the parameter's global tensor
+(``ranges.range_pieces``: uneven shards, no communication, no copy of the TP-local
+tensor). The data-parallel ranks hold different ranges, so each is the writer of its own;
+replicas across TP (norms) are written once by Megatron's replica ids. Loading: each rank
+asks for the same boxes of its own (possibly different) range, which DCP reads from
+whatever chunks were written (a checkpoint of the first format holds whole TP-local
+tensors; it loads the same way); owner-kept states travel back to the (possibly different)
+owners.
 
 Whether optimizer state is ours at all (:func:`require_ours`) and which states a load reads
 (:func:`states_to_load`: a state the registry marks optional and the checkpoint lacks starts
@@ -26,17 +30,16 @@ at zero; a required one missing is refused) are decided here for every format an
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, Collection, Dict, Iterator, List, Mapping, Tuple
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.api
 
 from .. import state as registry
-from ..pipeline import gather_matrices, scatter_matrices
 from ..state import MASTER, checkpoint_states, muon_states, required_in_checkpoint
 from .errors import CheckpointError
+from .ranges import RangePiece, range_pieces
 from .reading import read_dcp_metadata
 
 FORMAT = "megatron_muon/1"
@@ -90,46 +93,9 @@ def shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
         for name in state_names(opt, shard.param):
             value = shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
             values[name] = value if value is not None else torch.zeros_like(shard.master, dtype=torch.float32)
-    step = opt.muon
     for name in owner_kept:
-        for msg in step.messages:
-            expanded = [step.owner_states.expanded(name, job, step.device) for job in msg.owned]
-            for (p, start, end), piece in scatter_matrices(step, msg, expanded):
-                out[id(opt.muon_params[p].param)][name][start:end] = piece
-    return out
-
-
-@torch.no_grad()
-def gather_full_states(opt) -> Dict[int, Dict[str, torch.Tensor]]:
-    """Every param of ``opt``'s buffers -> {state: full TP-local tensor}, all-gathered
-    over the data-parallel group bucket by bucket (one collective per bucket and state)."""
-    local = shard_values(opt)
-    out: Dict[int, Dict[str, torch.Tensor]] = {}
-    for buffer in opt.buffers:
-        group = buffer.data_parallel_group
-        size = group.size()
-        for bucket in buffer.buckets:
-            numel = bucket.grad_data.numel()
-            shard_start = group.rank() * (numel // size)
-            names = sorted({n for p in bucket.params_list for n in state_names(opt, p)})
-            for name in names:
-                mine = torch.zeros(numel // size, dtype=torch.float32, device=bucket.grad_data.device)
-                for param in bucket.params_list:
-                    shard = opt.shard_map[param]
-                    if shard.master is None or name not in state_names(opt, param):
-                        continue
-                    start = buffer.param_index_map[param][0] - bucket.offset + shard.start - shard_start
-                    mine[start : start + shard.end - shard.start] = local[id(param)][name]
-                world = torch.empty(numel, dtype=torch.float32, device=mine.device)
-                if size > 1:
-                    dist.all_gather_into_tensor(world, mine, group=group)
-                else:
-                    world.copy_(mine)
-                for param in bucket.params_list:
-                    if name in state_names(opt, param):
-                        start, end, _ = buffer.param_index_map[param]
-                        full = world[start - bucket.offset : end - bucket.offset]
-                        out.setdefault(id(param), {})[name] = full.view(param.shape).clone()
+        for (p, start, end), piece in opt.muon.owner_state_to_holders(name):
+            out[id(opt.muon_params[p].param)][name][start:end] = piece
     return out
 
 
@@ -143,10 +109,55 @@ def params_in_order(opt) -> Iterator[Tuple[str, torch.nn.Parameter]]:
         yield f"{opt.name}.{i}", param
 
 
+STATES = "states"
+"""An entry's ``{state: [ShardedTensor of each box]}`` (absent where the rank holds none)."""
+RANGES = "ranges"
+"""An entry's :class:`Ranges` (not written: Megatron's ``LocalNonpersistentObject``)."""
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """What one parameter's entry asks for: each state's checkpoint key, and the boxes of
+    this rank's range (``ranges.range_pieces``) that its ShardedTensors hold, in order."""
+
+    keys: Dict[str, str]
+    pieces: Tuple[RangePiece, ...]
+
+
+def _ranges(entry: Dict[str, Any]) -> Ranges:
+    """The :class:`Ranges` of an entry, before a load (wrapped) or after it."""
+    ranges = entry[RANGES]
+    return ranges.unwrap() if hasattr(ranges, "unwrap") else ranges
+
+
+def requested_keys(param_state: Mapping[str, Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
+    """``{name: {state: checkpoint key}}`` of what a load of ``param_state`` asks for
+    (:func:`states_to_load` decides which of them a checkpoint must hold)."""
+    return {name: dict(_ranges(entry).keys) for name, entry in param_state.items()}
+
+
+def keep_states(param_state: Dict[str, Dict[str, Any]], kept: Mapping[str, Collection[str]]) -> None:
+    """Leave in ``param_state`` (a load's request) only the states ``kept`` names (also in
+    its :class:`Ranges`, which say on every rank, holder or not, which states a load set)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
+    for name, states in kept.items():
+        entry = param_state[name]
+        ranges = _ranges(entry)
+        keys = {s: key for s, key in ranges.keys.items() if s in states}
+        entry[RANGES] = LocalNonpersistentObject(Ranges(keys, ranges.pieces))
+        entry[STATES] = {s: v for s, v in entry.get(STATES, {}).items() if s in states}
+        if not entry[STATES]:
+            del entry[STATES]
+
+
 def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dict[str, Dict[str, Any]]:
-    """``{python key: {state: ShardedTensor(-Factory)}}`` for one MuonDistributedOptimizer."""
+    """``{python key: {"states": {state: [ShardedTensor]}, "ranges": Ranges}}`` for one
+    MuonDistributedOptimizer: each state's boxes of this rank's range (module docstring)."""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+
     metadata = model_param_metadata(model_sharded_state_dict)
-    full = {} if is_loading else gather_full_states(opt)
+    values = load_targets(opt) if is_loading else shard_values(opt)
     out: Dict[str, Dict[str, Any]] = {}
     for name, param in params_in_order(opt):
         sh = metadata.get(id(param))
@@ -156,18 +167,66 @@ def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dic
                 "sharded_state_dict; build it with model.sharded_state_dict() (keep_vars) "
                 "from the same model chunks the optimizer was built for."
             )
-        entry = {}
-        for key in state_names(opt, param):
-            data = (
-                torch.empty(param.shape, dtype=torch.float32, device=param.device)
-                if is_loading
-                else full[id(param)][key]
-            )
-            kwargs = dict(key=state_key(key, sh.key), data=data)
-            if hasattr(sh, "dtype"):
-                kwargs["dtype"] = torch.float32
-            entry[key] = replace(sh, **kwargs)
+        shard = opt.shard_map[param]
+        pieces = tuple(range_pieces(sh, param.shape, shard.start, shard.end)) if shard.master is not None else ()
+        names = state_names(opt, param)
+        entry: Dict[str, Any] = {
+            RANGES: LocalNonpersistentObject(Ranges({key: state_key(key, sh.key) for key in names}, pieces))
+        }
+        if pieces:
+            entry[STATES] = {
+                key: [
+                    piece.sharded_tensor(
+                        state_key(key, piece.placement.key),
+                        piece.take(values[id(param)][key])
+                        if key in values.get(id(param), {})
+                        else torch.empty(piece.shape, dtype=torch.float32, device=param.device),
+                    )
+                    for piece in pieces
+                ]
+                for key in names
+            }
         out[name] = entry
+    return out
+
+
+def load_targets(opt) -> Dict[int, Dict[str, torch.Tensor]]:
+    """id(param) -> {state: the tensor holding this rank's range of it} where one exists that
+    a load can fill in place (the fp32 master, the per-shard states; not the owner-kept
+    ones, which live per logical matrix): a box that is a contiguous run of it is read by
+    DCP straight into it, so a load allocates nothing for it."""
+    owner_kept = {s.name for s in muon_states(opt.config, "owner")}
+    out: Dict[int, Dict[str, torch.Tensor]] = {}
+    for shard in opt.shard_map:
+        if shard.master is None:
+            continue
+        state = opt.optimizer.state.get(shard.master, {})
+        mine = out[id(shard.param)] = {}
+        for name in state_names(opt, shard.param):
+            t = shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
+            if t is not None and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == shard.master.numel():
+                mine[name] = t.view(-1)
+    return out
+
+
+def own_ranges(opt, param_state: Mapping[str, Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]:
+    """What a load of :func:`_sharded_param_state` returned, as ``{python key: {state: this
+    rank's range of it, 1-D}}`` for :func:`load_param_state`: the load's targets
+    (:func:`load_targets`), every box put in place (a no-op for one read in place)."""
+    targets = load_targets(opt)
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, param in params_in_order(opt):
+        entry = param_state[name]
+        pieces = _ranges(entry).pieces
+        shard = opt.shard_map[param]
+        mine = out[name] = {}
+        for key in _ranges(entry).keys:
+            flat = targets.get(id(param), {}).get(key)
+            if flat is None:
+                flat = torch.empty(shard.end - shard.start if pieces else 0, dtype=torch.float32)
+            mine[key] = flat
+            for piece, value in zip(pieces, entry.get(STATES, {}).get(key, ()), strict=True):
+                piece.put(flat, value)
     return out
 
 
@@ -275,14 +334,13 @@ def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
     chain.num_steps = int(state_dict["step"])
     commons = state_dict["optimizers"]
     for opt in chain.muon_optimizers:
-        load_param_state(opt, state_dict["param_state"], chain.num_steps)
+        load_param_state(opt, own_ranges(opt, state_dict["param_state"]), chain.num_steps)
         opt.load_common_state(commons.get(opt.name) or commons["dense"])
 
 
-def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int, local: bool = False) -> None:
-    """Set ``opt``'s masters and states from ``param_state`` (python key -> {state: tensor}):
-    whole TP-local tensors of which this rank keeps its range, or with ``local`` this rank's
-    range already (Megatron-FSDP shards)."""
+def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
+    """Set ``opt``'s masters and states from ``param_state`` (python key -> {state: this
+    rank's range of it})."""
     owner_kept = {s.name: {} for s in muon_states(opt.config, "owner")}
     for name, param in params_in_order(opt):
         shard = opt.shard_map[param]
@@ -293,8 +351,10 @@ def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step:
         for key in state_names(opt, param):
             if key not in tensors:
                 continue  # saved without this state (switched on since): it starts at zero
-            flat = tensors[key].reshape(-1)
-            flat = (flat if local else flat[shard.start : shard.end]).to(shard.master.device)
+            flat = tensors[key].reshape(-1).to(shard.master.device)
+            current = shard.master if key == MASTER else state.get(key)
+            if current is not None and current.data_ptr() == flat.data_ptr():
+                continue  # read in place (``load_targets``)
             if key == MASTER:
                 shard.master.copy_(flat)
             elif key in owner_kept:
@@ -307,7 +367,7 @@ def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step:
         step_state.owner_states.values[key].clear()
         if not any(key in param_state[name] for name, _ in params_in_order(opt)):
             continue  # the same answer on every rank: from the checkpoint's common state
-        inputs = [pieces.get(id(m)) if m is not None else None for m in step_state.masters]
-        for job, matrices in gather_matrices(step_state, inputs):
-            step_state.owner_states.set_from_expanded(key, job, matrices)
+        step_state.owner_state_from_holders(
+            key, [pieces.get(id(m)) if m is not None else None for m in step_state.masters]
+        )
     step_state.shard_states.adopt()

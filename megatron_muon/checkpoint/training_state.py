@@ -17,7 +17,15 @@ import torch
 
 from .errors import CheckpointError, ReadStopped, checkpoint_error_in
 from .integrity import verify_manifest
-from .optimizer_state import READ_ERRORS, require_ours, saved_keys, states_to_load, unused_state_prefixes
+from .optimizer_state import (
+    READ_ERRORS,
+    keep_states,
+    requested_keys,
+    require_ours,
+    saved_keys,
+    states_to_load,
+    unused_state_prefixes,
+)
 from .publish import publish, resolve_checkpoint_dir
 from .reading import bounded, restricted_reading
 
@@ -90,9 +98,7 @@ def load_checkpoint(
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
         saved = saved_keys(checkpoint_dir)
         param_state = state["optimizer"]["param_state"]
-        wanted = {name: {s: t.key for s, t in entry.items()} for name, entry in param_state.items()}
-        for name, kept in states_to_load(wanted, saved, checkpoint_dir).items():
-            param_state[name] = {s: t for s, t in param_state[name].items() if s in kept}
+        keep_states(param_state, states_to_load(requested_keys(param_state), saved, checkpoint_dir))
     try:
         # Megatron's names: "missing" = in the checkpoint, requested by no rank;
         # "unexpected" = requested here, absent from the checkpoint.

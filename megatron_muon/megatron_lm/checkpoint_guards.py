@@ -42,7 +42,13 @@ from megatron_muon.checkpoint.integrity import (
     verify_manifest,
     write_atomically,
 )
-from megatron_muon.checkpoint.optimizer_state import optimizer_kind, saved_keys, states_to_load
+from megatron_muon.checkpoint.optimizer_state import (
+    keep_states,
+    optimizer_kind,
+    requested_keys,
+    saved_keys,
+    states_to_load,
+)
 from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
 from megatron_muon.checkpoint.reading import regular_files_only
 
@@ -478,9 +484,7 @@ def keep_saved_states(sharded_state_dict: dict, checkpoint_dir: str) -> None:
     if optimizer_kind(optimizer) != "megatron_muon":
         return  # Megatron's own optimizer, or no optimizer loaded
     param_state = optimizer["param_state"]
-    wanted = {name: {s: t.key for s, t in entry.items()} for name, entry in param_state.items()}
-    for name, kept in states_to_load(wanted, saved_keys(checkpoint_dir), checkpoint_dir).items():
-        param_state[name] = {s: t for s, t in param_state[name].items() if s in kept}
+    keep_states(param_state, states_to_load(requested_keys(param_state), saved_keys(checkpoint_dir), checkpoint_dir))
 
 
 def _wrap_preprocess(original: Callable, context: Any) -> Callable:

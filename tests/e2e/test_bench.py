@@ -14,7 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tools.bench import newton_schulz, ns_accuracy, optimizer_step, overlap_trace, plots, run_all, scale_model
+from tools.bench import (
+    checkpoint_memory,
+    newton_schulz,
+    ns_accuracy,
+    optimizer_step,
+    overlap_trace,
+    plots,
+    run_all,
+    scale_model,
+)
 
 PEERS = (
     "megatron_adamw,megatron_muon_duplicated,ours_exact,ours_blockwise,ours_exact_offload,"
@@ -196,6 +205,19 @@ def test_plots_and_docs_regeneration(out, measured, tmp_path):
         "<!-- END generated: optimizer_step -->"
     )[0]
     assert "Megatron DistOpt + AdamW" in block and "optimizer_step_time.png" in block
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_memory_quick(out):
+    """Bytes (not memory, which the allocator blurs at this size): our save sends nothing
+    beyond what Megatron's own dp_reshardable save sends (no gather), and less than its
+    fully_reshardable save, which gathers on every rank."""
+    data = checkpoint_memory.main(["--dp", "1", "2", "--hidden", "64", "--ffn", "128", "--out", str(out)])
+    assert (out / "checkpoint_memory.md").read_text().count("ours / ") == 4
+    r = data["results"]
+    assert r["2/ours"]["save_sent"] <= r["2/adamw_dp_reshardable"]["save_sent"] + 64
+    assert r["2/ours"]["save_sent"] * 100 < r["2/adamw_fully_reshardable"]["save_sent"]
+    assert all(_positive(x["save_extra"]) for x in r.values())
 
 
 @pytest.mark.timeout(300)

@@ -170,3 +170,52 @@ def test_the_check_sees_relative_and_absolute_imports(tmp_path):
         "megatron_muon/sub/mod.py:1 imports megatron_muon.testing.models",
         "megatron_muon/sub/mod.py:2 imports megatron_muon.testing.launcher",
     ]
+
+
+STEP = ("pipeline", "rule", "planner", "optimizer", "newton_schulz", "multirank_newton_schulz", "qk_clip", "hyperball")
+"""The optimizer step's modules (``megatron_muon.<name>``): the plan, the pipeline, the maths."""
+RUNS_THE_STEP = ("pipeline", "rule", "optimizer")
+"""Those no checkpoint module may reach even through another (the registry of states names
+the plan's types, and the plan the Newton–Schulz methods)."""
+
+
+def reached_from(graph: dict, start: str) -> set:
+    """Every module ``start`` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for other in graph.get(todo.pop(), ()):
+            if other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return seen
+
+
+def step_imports_of_checkpoints(root: Path = PACKAGE) -> list:
+    """``checkpoint module -> step module`` for every step module a module of ``checkpoint/``
+    imports: directly, or at any depth those that run the step (:data:`RUNS_THE_STEP`)."""
+    graph = import_graph(root)
+    step = {f"{root.name}.{m}" for m in STEP}
+    runs = {f"{root.name}.{m}" for m in RUNS_THE_STEP}
+    out = []
+    for module in sorted(m for m in graph if _within(m, f"{root.name}.checkpoint")):
+        direct = graph[module] & step
+        deep = reached_from(graph, module) & runs
+        out += [f"{module} -> {m}" for m in sorted(direct | deep)]
+    return out
+
+
+def test_checkpoints_import_nothing_of_the_step():
+    """The checkpoint layer reaches the step's exchanges through the optimizer object it is
+    handed (``MuonPipeline.owner_state_to_holders``), never by importing the step."""
+    offenders = step_imports_of_checkpoints()
+    assert not offenders, "\n".join(offenders)
+
+
+def test_the_step_check_sees_an_import_through_another_module(tmp_path):
+    pkg = tmp_path / "megatron_muon"
+    (pkg / "checkpoint").mkdir(parents=True)
+    for name in ("__init__.py", "checkpoint/__init__.py", "pipeline.py"):
+        (pkg / name).write_text("")
+    (pkg / "state.py").write_text("from .pipeline import exchange\n")
+    (pkg / "checkpoint" / "a.py").write_text("def f():\n    from ..state import x\n")
+    assert step_imports_of_checkpoints(pkg) == ["megatron_muon.checkpoint.a -> megatron_muon.pipeline"]
