@@ -16,7 +16,7 @@ import torch
 
 from megatron_muon import MuonConfig
 from megatron_muon.megatron_lm import integration as I
-from tests.helpers.megatron_lm import ARGV, parse_and_validate
+from tests.helpers.megatron_lm import ARGV, megatron_functions_of_its_own, parse_and_validate
 
 # ---------------------------------------------------------------------------------------
 # Without Megatron-LM: a parser with Megatron-LM's optimizer and --muon-* flags (arguments.py)
@@ -211,9 +211,10 @@ def megatron_lm():
     import megatron.training.arguments as arguments
     import megatron.training.training as training
 
-    undo = I.use_megatron_muon()
-    yield arguments, training
-    undo()
+    with megatron_functions_of_its_own():  # whatever layers an earlier test left in this worker
+        undo = I.use_megatron_muon()
+        yield arguments, training
+        undo()
 
 
 def test_model_config_path_ddp_is_wrapped_and_restored():

@@ -56,3 +56,25 @@ def parse_and_validate(arguments, argv):
         return args
     finally:
         sys.argv = saved
+
+
+@contextlib.contextmanager
+def megatron_functions_of_its_own():
+    """Inside the block Megatron's functions are its own: layers of ours in force (an earlier
+    test in this worker may have installed the argument layers for the process, as
+    ``validated_args`` does) are set aside, whatever the block leaves installed is removed at
+    its end, and the set-aside layers are put back."""
+    from megatron_muon import patching
+
+    with patching._lock:
+        aside = list(patching._layers.values())
+        for layer in aside:
+            layer._remove()
+    try:
+        yield
+    finally:
+        with patching._lock:
+            for layer in list(patching._layers.values()):
+                layer._remove()
+            for layer in aside:
+                layer._add()

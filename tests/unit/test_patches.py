@@ -27,23 +27,16 @@ from megatron_muon.megatron_fsdp_fix import SINGLE_RANK_GROUPS
 from megatron_muon.megatron_lm import patches
 from megatron_muon.patching import Patch
 from tests.helpers import REPO
+from tests.helpers.megatron_lm import megatron_functions_of_its_own
 
 PACKAGE = REPO / "megatron_muon"
 
 
 @pytest.fixture(autouse=True)
 def nothing_in_force():
-    """Each test starts with Megatron's own functions: layers an earlier test left in force
-    (``validated_args`` installs the argument layers for the process) are set aside for the
-    test and put back after it."""
-    with patching._lock:
-        aside = list(patching._layers.values())
-        for layer in aside:
-            layer._remove()
-    yield
-    with patching._lock:
-        for layer in aside:
-            layer._add()
+    """Each test starts with Megatron's own functions."""
+    with megatron_functions_of_its_own():
+        yield
 
 
 # ---------------------------------------------------------------------------------------
