@@ -235,10 +235,22 @@ def check_supported(args: argparse.Namespace) -> None:
             "saves fsdp_dtensor checkpoints synchronously only (the async writer bypasses the staging directory "
             "and manifest): drop --async-save",
         ),
+        (
+            on("async_save") and not _on_a_gpu(),
+            "saves synchronously on the CPU: a save hands the writer the optimizer's own state tensors, which "
+            "Megatron-core's writer copies off a GPU before the save returns but on the CPU writes while training "
+            "goes on (a checkpoint of two iterations): drop --async-save",
+        ),
     ]
     for bad, why in problems:
         if bad:
             raise ValueError(f"{WHO} {why}.")
+
+
+def _on_a_gpu() -> bool:
+    from .cpu import use_cuda
+
+    return use_cuda()
 
 
 def _check_megatron_choices(args: argparse.Namespace) -> None:

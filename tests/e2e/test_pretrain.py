@@ -697,6 +697,7 @@ BAD_INPUT = [
         "Megatron-FSDP without main weights",
     ),
     (["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--async-save"], "saves fsdp_dtensor checkpoints synchronously"),
+    (["--recipe", "tiny_gqa", "--async-save"], "saves synchronously on the CPU"),
     (["--recipe", "tiny_gqa", *MEGATRON_FSDP.split(), "--muon-step-overlap", "forward"], "not on Megatron-FSDP"),
     (["--recipe", "tiny_gqa", "--muon-step-overlap", "later"], "muon_step_overlap='later' is not supported"),
     (
