@@ -31,7 +31,7 @@ at zero; a required one missing is refused) are decided here for every format an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Collection, Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint.api
@@ -78,22 +78,30 @@ def model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
     return out
 
 
+def _held_in_place(opt) -> Iterator[Tuple[Any, str, Optional[torch.Tensor]]]:
+    """(shard, state, the tensor holding this rank's range of it, or None) for every state
+    of every param whose master this rank holds: the fp32 master, a per-shard state once
+    allocated; None for one not allocated yet and for the owner-kept ones, which live per
+    logical matrix on their owners."""
+    owner_kept = {s.name for s in muon_states(opt.config, "owner")}
+    for shard in opt.shard_map:
+        if shard.master is None:
+            continue
+        state = opt.optimizer.state.get(shard.master, {})
+        for name in state_names(opt, shard.param):
+            yield shard, name, shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
+
+
 @torch.no_grad()
 def shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     """id(param) -> {state: this rank's 1-D range of it} for every param whose master this
     rank holds (zeros for a state not allocated yet). Collective over the orthogonalization
     group when there are owner-kept states: the owners scatter them, expanded."""
-    owner_kept = [s.name for s in muon_states(opt.config, "owner")]
     out: Dict[int, Dict[str, torch.Tensor]] = {}
-    for shard in opt.shard_map:
-        if shard.master is None:
-            continue
-        state = opt.optimizer.state.get(shard.master, {})
-        values = out[id(shard.param)] = {}
-        for name in state_names(opt, shard.param):
-            value = shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
-            values[name] = value if value is not None else torch.zeros_like(shard.master, dtype=torch.float32)
-    for name in owner_kept:
+    for shard, name, value in _held_in_place(opt):
+        values = out.setdefault(id(shard.param), {})
+        values[name] = value if value is not None else torch.zeros_like(shard.master, dtype=torch.float32)
+    for name in (s.name for s in muon_states(opt.config, "owner")):
         for (p, start, end), piece in opt.muon.owner_state_to_holders(name):
             out[id(opt.muon_params[p].param)][name][start:end] = piece
     return out
@@ -195,17 +203,11 @@ def load_targets(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     a load can fill in place (the fp32 master, the per-shard states; not the owner-kept
     ones, which live per logical matrix): a box that is a contiguous run of it is read by
     DCP straight into it, so a load allocates nothing for it."""
-    owner_kept = {s.name for s in muon_states(opt.config, "owner")}
     out: Dict[int, Dict[str, torch.Tensor]] = {}
-    for shard in opt.shard_map:
-        if shard.master is None:
-            continue
-        state = opt.optimizer.state.get(shard.master, {})
-        mine = out[id(shard.param)] = {}
-        for name in state_names(opt, shard.param):
-            t = shard.master if name == MASTER else state.get(name) if name not in owner_kept else None
-            if t is not None and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == shard.master.numel():
-                mine[name] = t.view(-1)
+    for shard, name, t in _held_in_place(opt):
+        mine = out.setdefault(id(shard.param), {})
+        if t is not None and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == shard.master.numel():
+            mine[name] = t.view(-1)
     return out
 
 
