@@ -218,6 +218,9 @@ def test_checkpoint_memory_quick(out):
     assert r["2/ours"]["save_sent"] <= r["2/adamw_dp_reshardable"]["save_sent"] + 64
     assert r["2/ours"]["save_sent"] * 100 < r["2/adamw_fully_reshardable"]["save_sent"]
     assert all(_positive(x["save_extra"]) for x in r.values())
+    assert data["verdict"]["dp"] == 2 and "criterion" in (out / "checkpoint_memory.md").read_text()
+    if plots.have_matplotlib():
+        assert (out / "checkpoint_memory.png").stat().st_size > 1000
 
 
 @pytest.mark.timeout(300)

@@ -153,6 +153,20 @@ def from_recipe(recipe: str, gpus: int, tp: int, pp: int, ep: int, etp: Optional
     )
 
 
+def llama3_70b(tp: int, vocab_divisor: int = 128) -> ModelShape:
+    """Llama-3-70B as Meta publishes it (80 layers, hidden 8192, FFN 28672, 64 heads in 8
+    groups of 128 channels, vocabulary 128256, 8192 tokens, SwiGLU, untied embeddings), its
+    vocabulary padded as Megatron pads it at ``tp``; 16M tokens per step. No recipe ships it:
+    the scale model's start-up figures use its shapes."""
+    divisor = vocab_divisor * tp
+    vocab = -(-128256 // divisor) * divisor
+    layer = 8192 * (64 + 2 * 8) * 128 + 64 * 128 * 8192 + 3 * 8192 * 28672 + 2 * 8192
+    return ModelShape(
+        name="llama3_70b", num_layers=80, hidden=8192, ffn=28672, heads=64, groups=8, kv_channels=128,
+        vocab=vocab, seq_length=8192, global_batch=2048, active_params=80 * layer + 2 * 128256 * 8192 + 8192,
+    )  # fmt: skip
+
+
 def from_tiny(spec_kwargs: Dict[str, Any], global_batch: int) -> ModelShape:
     """The CPU harness's ``TinyModelSpec`` (dense GQA / MHA / MoE)."""
     from megatron_muon.testing.models import TinyModelSpec

@@ -8,7 +8,9 @@
   against full-matrix Newton–Schulz;
 * ``optimizer_step_gpu_time.png``: the step-time chart of the GPU run, when there is one;
 * ``newton_schulz.png``: Newton–Schulz TFLOP/s per implementation and shape;
-* ``scale_model.png``: predicted optimizer-step time and extra bytes per GPU, per model.
+* ``scale_model.png``: predicted optimizer-step time and extra bytes per GPU, per model;
+* ``checkpoint_memory.png``: a checkpoint save's and load's extra memory and bytes sent per
+  rank against the data-parallel size, ours beside Megatron's AdamW saves.
 
 A chart whose JSON is missing is skipped. matplotlib is needed (``pip install matplotlib``).
 """
@@ -19,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -164,6 +166,48 @@ def scale_model(data: Dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
+CHECKPOINT_COLORS = {"adamw_dp_reshardable": "#888888", "adamw_fully_reshardable": "#4c72b0", "ours": "#c44e52"}
+
+
+def checkpoint_memory(data: Dict[str, Any], path: Path) -> Path:
+    """Three panels against DP (log scales: the peers differ by two orders of magnitude):
+    the largest rank's extra memory over the save, over the load, and its bytes sent in the save."""
+    from tools.bench.checkpoint_memory import PEERS
+
+    plt = _plt()
+    dps = data["dp"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    panels = (
+        ("save_extra", 2**20, "extra MB over the save (dashed: copied by the writer)"),
+        ("load_extra", 2**20, "extra MB over the load (largest rank)"),
+        ("save_sent", 2**20, "MiB sent in the save (largest rank)"),
+    )
+    for ax, (key, unit, label) in zip(axes, panels):
+        for peer, name in PEERS.items():
+            values = [data["results"][f"{dp}/{peer}"][key] / unit for dp in dps]
+            ax.plot(dps, values, marker="o", color=CHECKPOINT_COLORS[peer], label=name)
+            if key == "save_extra":  # what Megatron's writer copied, counted exactly (dashed)
+                copied = [data["results"][f"{dp}/{peer}"]["save_copied"] / unit for dp in dps]
+                ax.plot(dps, copied, ls="--", lw=0.9, color=CHECKPOINT_COLORS[peer])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(dps, [str(d) for d in dps])
+        ax.set_yscale("symlog", linthresh=1.0)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("data-parallel size")
+        ax.set_ylabel(label, fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8)
+    spec = data["spec"]
+    fig.suptitle(
+        f"Checkpoint save / load per rank: {spec['num_layers']}-layer GPT, hidden {spec['hidden_size']}; "
+        f"{data['environment']['device_name']}",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 CHARTS = {
     "optimizer_step": [
         ("optimizer_step_time.png", step_time),
@@ -173,6 +217,7 @@ CHARTS = {
     "optimizer_step_gpu": [("optimizer_step_gpu_time.png", step_time)],
     "newton_schulz": [("newton_schulz.png", newton_schulz)],
     "scale_model": [("scale_model.png", scale_model)],
+    "checkpoint_memory": [("checkpoint_memory.png", checkpoint_memory)],
 }
 
 
@@ -184,13 +229,15 @@ def have_matplotlib() -> bool:
     return True
 
 
-def make_all(out: Path) -> List[Path]:
-    """Every chart whose JSON exists in ``out`` (none, with a message, without matplotlib)."""
+def make_all(out: Path, sources: Sequence[str] = tuple(CHARTS)) -> List[Path]:
+    """Every chart of ``sources`` whose JSON exists in ``out`` (none, with a message, without
+    matplotlib)."""
     if not have_matplotlib():
         print("matplotlib is not installed (pip install matplotlib): no charts")
         return []
     written = []
-    for source, charts in CHARTS.items():
+    for source in sources:
+        charts = CHARTS[source]
         path = Path(out) / f"{source}.json"
         if not path.exists():
             continue

@@ -28,7 +28,9 @@ them one after the other. It excludes DDP's parameter all-gather (overlapped wit
 forward pass under ``--overlap-param-gather``). Model FLOPs are 6 x active params x tokens.
 
 ``--validate`` compares the model's bytes for the CPU benchmark's tiny model with the
-bytes ``optimizer_step.py`` counted.
+bytes ``optimizer_step.py`` counted. What one rank builds at start-up at these scales (the
+layout, shard map, process-group coordinates, plan and messages; time and memory):
+``startup.py``, on this module's ``Cluster`` and the same shapes.
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def coords_of(c: Cluster, expert: bool, i: int) -> Tuple[int, int, int]:
     return i % c.tp, i // c.tp, 0
 
 
-def _logical(sp: S.StageParam, m: S.ModelShape, cfg, tp_size: int):
+def logical_param(sp: S.StageParam, m: S.ModelShape, cfg, tp_size: int):
     from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
@@ -315,7 +317,7 @@ def _our_costs(
             for k, lay in layouts.layouts.items()
             if k.is_expert_parallel == expert and (k.is_managed_by_layer_wise_optimizer or not owner_aligned)
         )
-        muon = [_logical(sp, m, cfg, size) for sp in chosen]
+        muon = [logical_param(sp, m, cfg, size) for sp in chosen]
         ranges = {i: dp_ranges_in_layout(layout, sp.param, n) for i, sp in enumerate(chosen)}
         # Group ranks in global-rank order, as build_ortho_group orders them; their nodes as
         # placed on this cluster (expert-parallel rank 0).
@@ -341,7 +343,7 @@ def _our_costs(
             costs.chunks[scheme] = len(plan.chunks)
 
 
-def _owner_aligned_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
+def owner_aligned_layout(params: List[S.StageParam], m, c: Cluster, bucket: Optional[int]):
     """Our owner-aligned layout (``megatron_muon.buffer_layout``) of the stage's params."""
     from megatron_muon.buffer_layout import compute_full_param_layout, muon_param_flops, tag_muon_params
 
@@ -352,7 +354,7 @@ def _owner_aligned_layout(params: List[S.StageParam], m, c: Cluster, bucket: Opt
             del sp.param.is_managed_by_layer_wise_optimizer
         if sp.is_matrix and not sp.router:
             flops[sp.param] = muon_param_flops(
-                _logical(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS, cfg.muon_ns_method
+                logical_param(sp, m, cfg, c.etp if sp.expert else c.tp), NS_STEPS, cfg.muon_ns_method
             )
     tag_muon_params(list(flops))
     per_node = (max(1, c.gpus_per_node // c.tp), max(1, c.gpus_per_node // (c.etp * c.ep)))
@@ -459,7 +461,7 @@ def stage_costs(m: S.ModelShape, c: Cluster, stage: int) -> RankCosts:
     for scheme in ("adamw", "ours_exact_megatron_layout"):
         _ddp_costs(costs, scheme, byte_level, c)
     _our_costs(costs, "ours_exact_megatron_layout", params, byte_level, m, c, "exact", owner_aligned=False)
-    owner = _owner_aligned_layout(params, m, c, bucket)
+    owner = owner_aligned_layout(params, m, c, bucket)
     for mode in ("exact", "blockwise", "duplicated"):
         _ddp_costs(costs, f"ours_{mode}", owner, c)
         _our_costs(costs, f"ours_{mode}", params, owner, m, c, mode, owner_aligned=True)
