@@ -14,7 +14,12 @@ rest go to the least-loaded rank (Graham's list scheduling). Every rank's load e
 one matrix's cost of every other rank's. Jobs are cut into chunks of
 about ``muon_chunk_numel`` elements so that the pipeline can overlap one chunk's
 communication with another's compute. Everything here is computed once, from the local
-model structure (which is identical on every rank of a group), and cached.
+model structure (which is identical on every rank of a group), and cached. Its time is
+near-linear in what the plan holds: a block finds the DP ranges it overlaps by bisection
+(:class:`DpBounds`), the jobs are cut once for the candidate plans :func:`build_plan`
+compares, and the least-loaded rank comes from a heap (DeepSeek-V3's dense plan at DP 1,024:
+0.2 s, where a scan of every rank per block and per job took 25 s; docs/benchmarks.md
+section 4).
 
 :func:`rank_messages` turns the plan into what one rank sends and receives in each chunk
 (:class:`ChunkMessages`), also once: the step only packs and unpacks by these lists.
@@ -22,8 +27,10 @@ model structure (which is identical on every rank of a group), and cached.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
-from dataclasses import dataclass, field
+import heapq
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .matrices import LogicalMatrix, MuonParam
@@ -110,8 +117,42 @@ class Plan:
         return h.hexdigest()
 
 
-def segments(matrix: LogicalMatrix, dp_ranges: Sequence[Tuple[int, int]], tps: Sequence[int]) -> List[Segment]:
-    """Cut the pieces of ``matrix`` on TP ranks ``tps`` at the data-parallel shard bounds."""
+class DpBounds:
+    """Each DP rank's range of one parameter, sorted by start for bisection: a block finds
+    the ranges it overlaps in ``log(DP)`` steps plus one per overlap, not by a scan of every
+    rank (``dp_ranges``: as ``ParamShard.dp_ranges``; ranks that hold none are skipped).
+    Ranges that overlap each other (no layout makes them) are scanned."""
+
+    def __init__(self, dp_ranges: Sequence[Tuple[int, int]]) -> None:
+        self.dp_ranges = dp_ranges
+        self.held = sorted((lo, hi, dp) for dp, (lo, hi) in enumerate(dp_ranges) if hi > lo)
+        self.disjoint = all(a[1] <= b[0] for a, b in zip(self.held, self.held[1:]))
+        self.ends = [hi for _, hi, _ in self.held]
+
+    def overlaps(self, start: int, end: int) -> List[Tuple[int, int, int]]:
+        """``(dp, lo, hi)`` of every DP rank's part of ``[start, end)``, in DP order."""
+        if not self.disjoint:
+            cuts = ((dp, max(start, lo), min(end, hi)) for dp, (lo, hi) in enumerate(self.dp_ranges))
+            return [cut for cut in cuts if cut[2] > cut[1]]
+        out = []
+        for i in range(bisect.bisect_right(self.ends, start), len(self.held)):
+            lo, hi, dp = self.held[i]
+            if lo >= end:
+                break
+            if min(end, hi) > max(start, lo):
+                out.append((dp, max(start, lo), min(end, hi)))
+        return sorted(out)
+
+
+def segments(
+    matrix: LogicalMatrix,
+    dp_ranges: Sequence[Tuple[int, int]],
+    tps: Sequence[int],
+    bounds: Optional[DpBounds] = None,
+) -> List[Segment]:
+    """Cut the pieces of ``matrix`` on TP ranks ``tps`` at the data-parallel shard bounds
+    (``bounds``: ``DpBounds(dp_ranges)``, built once per parameter by :func:`make_jobs`)."""
+    bounds = bounds or DpBounds(dp_ranges)
     out = []
     for tp, blocks in matrix.pieces:
         if tp not in tps:
@@ -119,10 +160,8 @@ def segments(matrix: LogicalMatrix, dp_ranges: Sequence[Tuple[int, int]], tps: S
         piece_offset = 0
         for block in blocks:
             b_start, b_end = block.offset, block.offset + block.numel
-            for dp, (lo, hi) in enumerate(dp_ranges):
-                start, end = max(b_start, lo), min(b_end, hi)
-                if end > start:
-                    out.append(Segment(tp, dp, start, end, piece_offset + start - b_start))
+            for dp, start, end in bounds.overlaps(b_start, b_end):
+                out.append(Segment(tp, dp, start, end, piece_offset + start - b_start))
             piece_offset += block.numel
     return out
 
@@ -140,17 +179,20 @@ def make_jobs(
     runs on the job's shape."""
     jobs: List[Job] = []
     all_tps = list(range(tp_size))
+    bounds: Dict[int, DpBounds] = {}
 
     def add(param_index: int, matrix: LogicalMatrix, src_tps, dst_tps, owner_tp):
         ranges = dp_ranges[param_index]
+        if param_index not in bounds:
+            bounds[param_index] = DpBounds(ranges)
         rows, cols = matrix.ns_shape
         jobs.append(
             Job(
                 index=len(jobs),
                 param_index=param_index,
                 matrix=matrix,
-                sources=segments(matrix, ranges, src_tps),
-                dests=segments(matrix, ranges, dst_tps),
+                sources=segments(matrix, ranges, src_tps, bounds[param_index]),
+                dests=segments(matrix, ranges, dst_tps, bounds[param_index]),
                 owner_tp=owner_tp,
                 flops=newton_schulz_flops(rows, cols, ns_steps, batch=matrix.column_groups, method=ns_method),
             )
@@ -190,6 +232,66 @@ def assign_owners(
     ``owner_aligned`` (owner-aligned buffers): a job may only go to a rank at a DP index that
     holds some of its matrix, so no piece crosses DP unless the matrix itself straddles DP
     shards; balance across DP indices is then the buffer layout's job."""
+    chunks = cut_chunks(jobs, chunk_numel)
+    loads = list(loads) if loads is not None else [0] * group.size
+    order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)) if job.owner < 0]
+    # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
+    #    at or under the mean load. (Only ranks that hold some of it can qualify.)
+    mean = (sum(loads) + sum(job.flops for job in order)) / max(group.size, 1)
+    for job in order:
+        held = job.held_elements(group)
+        holders = [r for r in held if job.owner_tp is None or group.coords[r][0] == job.owner_tp]
+        if holders:
+            holder = min(holders, key=lambda r: (-held[r], loads[r], r))
+            if loads[holder] + job.flops <= mean:
+                job.owner = holder
+                loads[holder] += job.flops
+    # 2. The rest by list scheduling: the least-loaded allowed rank. A rank that ends highest
+    #    either took its last job here as the least loaded, or stayed at or under the mean:
+    #    both keep every rank within one job's cost of every other.
+    least = _LeastLoaded(group, loads)
+    for job in order:
+        if job.owner < 0:
+            if owner_aligned:
+                # The ranks at the DP indices that hold some of the matrix.
+                dps = {seg.dp for seg in job.sources + job.dests}
+                tps = range(group.tp_size) if job.owner_tp is None else [job.owner_tp]
+                allowed = [group.rank_of(tp, dp) for dp in dps for tp in tps]
+                job.owner = min(allowed, key=lambda r: (loads[r], r))
+            else:
+                job.owner = least.rank(job.owner_tp)
+            least.add(job.owner, job.flops)
+    return chunks, loads
+
+
+class _LeastLoaded:
+    """The least-loaded rank of a group (lowest rank on ties), of all ranks or of one TP
+    coordinate's, in ``log(ranks)`` per question: a heap of (load, rank) per such set whose
+    entries go stale as ``loads`` grows and are dropped when they reach the top."""
+
+    def __init__(self, group: OrthoGroup, loads: List[int]) -> None:
+        self.group, self.loads = group, loads
+        self.heaps: Dict[Optional[int], List[Tuple[int, int]]] = {}
+
+    def rank(self, tp: Optional[int]) -> int:
+        if tp not in self.heaps:
+            members = (r for r, c in enumerate(self.group.coords) if tp is None or c[0] == tp)
+            self.heaps[tp] = [(self.loads[r], r) for r in members]
+            heapq.heapify(self.heaps[tp])
+        heap = self.heaps[tp]
+        while heap[0][0] != self.loads[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][1]
+
+    def add(self, rank: int, flops: int) -> None:
+        self.loads[rank] += flops
+        for tp, heap in self.heaps.items():
+            if tp is None or self.group.coords[rank][0] == tp:
+                heapq.heappush(heap, (self.loads[rank], rank))
+
+
+def cut_chunks(jobs: List[Job], chunk_numel: int) -> List[Chunk]:
+    """The jobs in model order, cut into chunks of about ``chunk_numel`` elements."""
     chunks: List[Chunk] = []
     current: List[Job] = []
     size = 0
@@ -201,34 +303,7 @@ def assign_owners(
         size += job.numel
     if current:
         chunks.append(Chunk(len(chunks), _by_shape(current)))
-
-    loads = list(loads) if loads is not None else [0] * group.size
-
-    def may_own(job: Job, r: int) -> bool:
-        tp, dp = group.coords[r]
-        if job.owner_tp is not None and tp != job.owner_tp:
-            return False
-        return not owner_aligned or any(seg.dp == dp for seg in job.sources + job.dests)
-
-    allowed = {job.index: [r for r in range(group.size) if may_own(job, r)] for job in jobs}
-    order = [job for chunk in chunks for job in sorted(chunk.jobs, key=lambda j: (-j.flops, j.index)) if job.owner < 0]
-    # 1. Local first: a job goes to the allowed rank holding most of it while that rank stays
-    #    at or under the mean load.
-    mean = (sum(loads) + sum(job.flops for job in order)) / max(group.size, 1)
-    for job in order:
-        held = job.held_elements(group)
-        holder = min(allowed[job.index], key=lambda r: (-held.get(r, 0), loads[r], r))
-        if held.get(holder, 0) > 0 and loads[holder] + job.flops <= mean:
-            job.owner = holder
-            loads[holder] += job.flops
-    # 2. The rest by list scheduling: the least-loaded allowed rank. A rank that ends highest
-    #    either took its last job here as the least loaded, or stayed at or under the mean:
-    #    both keep every rank within one job's cost of every other.
-    for job in order:
-        if job.owner < 0:
-            job.owner = min(allowed[job.index], key=lambda r: (loads[r], r))
-            loads[job.owner] += job.flops
-    return chunks, loads
+    return chunks
 
 
 def _by_shape(jobs: List[Job]) -> List[Job]:
@@ -263,8 +338,10 @@ def build_plan(
     free = MultirankCost(0.0, 0.0)
     candidates = [None] if ns_max_ranks < 2 else [None, free, cost]
     best: Optional[Tuple[float, Plan]] = None
+    # The jobs' segments are cut once; each candidate gets fresh jobs (owners, FLOPs) over them.
+    unassigned = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
     for candidate in candidates:
-        jobs = make_jobs(params, dp_ranges, group.tp_size, tp_mode, ns_steps, ns_method)
+        jobs = [replace(job) for job in unassigned]
         max_ranks = 1 if candidate is None else ns_max_ranks
         loads = place_multirank_jobs(jobs, group, max_ranks, ns_steps, owner_aligned, candidate)
         chunks, loads = assign_owners(jobs, group, chunk_numel, owner_aligned, loads)

@@ -115,6 +115,31 @@ def _coords(tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup) -> Dict[in
     return {g: (t, r) for r, ranks in enumerate(gathered) for t, g in enumerate(ranks)}
 
 
+def _every_ortho_group(members: Tuple[int, ...]) -> List[Tuple[int, ...]]:
+    """Every rank's orthogonalization group, in the order of their lowest ranks, given this
+    rank's ``members`` (collective over the default group).
+
+    ``new_group`` needs every group's ranks on every rank, so each rank learns the world's
+    partition: an all-gather of two integers per rank (its group's lowest rank and size),
+    not of its members, so each rank holds O(world) integers, as every ``new_group`` call
+    for every group must anyway (the members of all groups would be world x group size).
+    The groups partition the world, so sorting them by lowest rank orders them as sorting
+    their member tuples does. Groups that do not partition the world (TP groups of a DP
+    group's ranks that other ranks combine differently) are refused."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (members[0], len(members)))
+    groups: Dict[int, List[int]] = {}
+    for rank, (lowest, _) in enumerate(everyone):
+        groups.setdefault(lowest, []).append(rank)
+    if any(len(groups[lowest]) != size for lowest, size in everyone) or tuple(groups[members[0]]) != members:
+        raise RuntimeError(
+            "The tensor-parallel x data-parallel groups of the ranks do not partition the world into "
+            "orthogonalization groups (each rank's group must be the same set on all of its members): "
+            "pass every rank the tensor- and data-parallel groups of one Megatron parallel layout."
+        )
+    return [tuple(groups[lowest]) for lowest in sorted(groups)]
+
+
 def build_ortho_group(tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup) -> OrthoGroup:
     """The orthogonalization group of this rank (collective over the default group: every
     rank takes part in creating every group, in the same order, as ``new_group`` requires)."""
@@ -125,9 +150,7 @@ def build_ortho_group(tp_group: dist.ProcessGroup, dp_group: dist.ProcessGroup) 
     elif dp_group.size() == 1:
         group = tp_group
     else:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, members)
-        for ranks in sorted(set(everyone)):
+        for ranks in _every_ortho_group(members):
             _cached_group("ortho", ranks)
         group = _GROUPS[("ortho", members)]
     ordered = [None] * len(members)

@@ -95,9 +95,10 @@ NON_MEMBER = object()
 class SimulatedWorld:
     """``torch.distributed`` as ``process_groups`` calls it, answered for rank ``me`` of a
     world laid out by Megatron's ``RankGenerator``. ``all_gather_object`` hands back what
-    each member would pass in the same call (its TP group's ranks, its orthogonalization
-    group's members, or the object itself: a plan fingerprint is the same on every rank),
-    each unpickled from bytes prepared beforehand, as torch unpickles what arrives."""
+    each member would pass in the same call (its TP group's ranks, over the world its
+    orthogonalization group's lowest rank and size, or the object itself: a plan
+    fingerprint is the same on every rank), each unpickled from bytes prepared beforehand,
+    as torch unpickles what arrives."""
 
     def __init__(self, c: Cluster, me: int) -> None:
         from megatron.core.parallel_state import RankGenerator
@@ -118,7 +119,7 @@ class SimulatedWorld:
                 members = tuple(sorted(r for d in dp_group for r in self.tp[kind][d]))
                 ortho.update({r: members for r in members})
             self._sent[(kind, "tp")] = [pickle.dumps(self.tp[kind][r]) for r in range(self.size)]
-            self._sent[(kind, "ortho")] = [pickle.dumps(ortho[r]) for r in range(self.size)]
+            self._sent[(kind, "ortho")] = [pickle.dumps((ortho[r][0], len(ortho[r]))) for r in range(self.size)]
         self.kind = "dense"
         self.gathered = 0
         """Objects this rank has received from all_gather_object."""
@@ -141,10 +142,10 @@ class SimulatedWorld:
 
     def all_gather_object(self, out: list, obj: Any, group: Optional[SimulatedGroup] = None) -> None:
         ranks = group.ranks if group is not None else range(self.size)
-        if obj == self.tp[self.kind][self.me]:
-            sent = self._sent[(self.kind, "tp")]
-        elif isinstance(obj, tuple) and self.me in obj:
+        if group is None:  # over the world: the orthogonalization groups
             sent = self._sent[(self.kind, "ortho")]
+        elif obj == self.tp[self.kind][self.me]:
+            sent = self._sent[(self.kind, "tp")]
         else:
             sent = [pickle.dumps(obj)] * self.size
         for i, r in enumerate(ranks):
