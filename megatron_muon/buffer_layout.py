@@ -102,10 +102,7 @@ def owner_aligned_param_layout(
     if not ddp_config.overlap_grad_reduce or disable_bucketing or groups.pp_rank > 0:
         bucket_size = None
 
-    def tp_size_of(param: torch.nn.Parameter) -> int:
-        return etp_size if not getattr(param, "allreduce", True) else tp_size
-
-    muon_params, _ = collect_muon_params([model_chunk], config, tp_size_of)
+    muon_params, _ = collect_muon_params([model_chunk], config, (tp_size, etp_size))
     method = method_for_device(config.muon_ns_method, muon_params[0].param.device if muon_params else None)
     flops = {mp.param: muon_param_flops(mp, config.muon_num_ns_steps, method) for mp in muon_params}
     tag_muon_params(flops)

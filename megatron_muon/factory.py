@@ -31,9 +31,9 @@ from .support import Settings, refusals
 def _check_precision(model_chunks: List[torch.nn.Module], config: MuonConfig) -> None:
     """The optimizer's precision must be the model's: an fp16 model stepped by a non-fp16
     config would get no loss scaler (and a bf16 model's params would be treated as fp32)."""
-    model_config = getattr(model_chunks[0], "config", None)
+    model_config = model_chunks[0].config  # the wrapper's TransformerConfig (either engine)
     for flag in ("fp16", "bf16"):
-        model_value = bool(getattr(model_config, flag, False))
+        model_value = bool(getattr(model_config, flag))
         if model_value != bool(getattr(config, flag)):
             raise ValueError(
                 f"get_muon_optimizer: the model has TransformerConfig.{flag}={model_value} but "
@@ -46,9 +46,9 @@ def _check_model_chunks(model_chunks: List[torch.nn.Module], config: MuonConfig)
     """Refuse what the optimizer cannot run (naming the fix); the chunks' storage backend."""
     if not model_chunks:
         raise ValueError("get_muon_optimizer: model_chunks is empty.")
-    _check_precision(model_chunks, config)
     storage = storage_for(model_chunks)
     storage.check(model_chunks, config)
+    _check_precision(model_chunks, config)
     for refusal in refusals(Settings.of(config, model_chunks), storage):
         raise ValueError(f"get_muon_optimizer: {refusal}.")
     return storage
@@ -112,19 +112,15 @@ def get_muon_optimizer(
     )
     parallel = parallel_groups(pg_collection)
 
-    def tp_size_of(param: torch.nn.Parameter) -> int:
-        return (parallel.expt_tp if not getattr(param, "allreduce", True) else parallel.tp).size()
-
     owner_aligned = storage.owner_aligned(config, model_chunks)
     check_exclude_patterns_match(model_chunks, config)
-    muon_params, _ = collect_muon_params(model_chunks, config, tp_size_of)
+    muon_params, _ = collect_muon_params(model_chunks, config, (parallel.tp.size(), parallel.expt_tp.size()))
     muon_ids = {id(mp.param) for mp in muon_params}
     all_groups = _split_groups(_get_param_groups(model_chunks, config, config_overrides), muon_ids)
 
     optimizers = []
     for expert in (False, True):
         param_groups = [g for g in all_groups if g["is_expert_parallel"] == expert]
-        buffers = storage.chunk_buffers(model_chunks, expert)
         if not any(g["params"] for g in param_groups) and expert:
             continue
         if expert:
@@ -142,7 +138,6 @@ def get_muon_optimizer(
             config,
             _grad_scaler(config),
             model_chunks,
-            buffers,
             dp_group,
             dp_gloo,
             mp_rank,
@@ -152,10 +147,8 @@ def get_muon_optimizer(
             qk_clip=None if expert else QKClip.from_model(model_chunks, groups["dp_cp_group"], groups["mp_group"]),
             owner_aligned=owner_aligned,
             storage=storage,
+            grad_stats_parallel_group=groups["intra_dist_opt_group"],
+            grad_norm_tp_groups=(parallel.tp, parallel.expt_tp),
         )
-        # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
-        opt.grad_stats_parallel_group = groups["intra_dist_opt_group"]
-        opt.tp_group = parallel.tp
-        opt.expert_tp_group = parallel.expt_tp
         optimizers.append(opt)
     return MuonChainedOptimizer(optimizers, step_overlap)

@@ -626,11 +626,18 @@ def logical_matrices(ctx: ParamContext) -> List[LogicalMatrix]:
     )
 
 
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """Megatron marks an expert-parallel parameter with ``allreduce = False`` (its gradient is
+    reduced over the expert data-parallel group, its TP group is the expert TP group)."""
+    return not getattr(param, "allreduce", True)
+
+
 def collect_muon_params(
-    model_chunks: Sequence[torch.nn.Module], config: MuonConfig, tp_size_of: Callable[[torch.nn.Parameter], int]
+    model_chunks: Sequence[torch.nn.Module], config: MuonConfig, tp_sizes: Tuple[int, int]
 ) -> Tuple[List[MuonParam], List[Tuple[str, torch.nn.Parameter]]]:
     """Split the trainable parameters of all chunks into Muon params (with their logical
-    matrices) and scalar params (name, param)."""
+    matrices) and scalar params (name, param). ``tp_sizes``: the tensor-parallel size of
+    dense and of expert-parallel parameters."""
     muon, scalar = [], []
     multi = len(model_chunks) > 1
     ep_prefix = _expert_prefix()
@@ -646,7 +653,8 @@ def collect_muon_params(
                 scalar.append((name, param))
                 continue
             display = f"chunk{chunk_index}.{name}" if multi else name
-            if not getattr(param, "allreduce", True):
+            expert = is_expert_parallel(param)
+            if expert:
                 display = ep_prefix + display  # local expert indices repeat on every EP rank
             ctx = ParamContext(
                 name=display,
@@ -657,7 +665,7 @@ def collect_muon_params(
                 parent_attr=parent_attr,
                 model_config=model_config,
                 config=config,
-                tp_size=tp_size_of(param),
+                tp_size=tp_sizes[expert],
             )
             muon.append(MuonParam(chunk_index, name, param, logical_matrices(ctx)))
     return muon, scalar

@@ -1,15 +1,19 @@
-"""The Muon optimizer: Megatron's distributed optimizer with exact, distributed Muon for the
+"""The Muon optimizer: Megatron's sharded mixed-precision optimizer with exact, distributed Muon for the
 matrices, dense and expert-parallel parameters chained as ``get_megatron_optimizer`` does.
 
-Megatron's ``DistributedOptimizer`` already does everything around the update that a
-Megatron user relies on: fp32 master weights and optimizer state sharded over the
-data-parallel ranks, the copy of the reduce-scattered gradients into the masters, loss
-scaling, the global grad norm and clipping, the master -> model copy and the parameter
-all-gather. :class:`MuonDistributedOptimizer` subclasses it (one for dense, one for
-expert-parallel parameters) and :class:`MuonChainedOptimizer` subclasses Megatron's
-``ChainedOptimizer``, keeping its ``step()``. Where the masters, gradients and parameters
-live is the data-parallel engine's: each optimizer holds a storage backend
-(``storage/``) and asks it for the copies, the parameter sync and the checkpoint format.
+Megatron already does everything around the update that a Megatron user relies on: fp32
+master weights and optimizer state sharded over the data-parallel ranks, the copy of the
+reduce-scattered gradients into the masters, loss scaling, the global grad norm and
+clipping, the master -> model copy and the parameter all-gather.
+:class:`MuonDistributedOptimizer` is a Megatron ``MixedPrecisionOptimizer`` (one for dense,
+one for expert-parallel parameters: loss scale, grad norm, clipping, ``step()``) and
+:class:`MuonChainedOptimizer` subclasses Megatron's ``ChainedOptimizer``, keeping its
+``step()``. Where the masters, gradients and parameters live is the data-parallel engine's:
+each optimizer holds a storage backend (``storage/``) that builds what its engine needs (under
+DDP a Megatron ``DistributedOptimizer`` of its own, which shards the parameter groups into
+the masters and makes the copies; under Megatron-FSDP the engine's own main weights) and
+asks it for the copies, the parameter sync and the checkpoint format.
+
 Before the update, :meth:`MuonChainedOptimizer.prepare_grads` copies the gradients into the
 masters and checks for inf/NaN in every precision: a step with a non-finite gradient is
 skipped on every rank, and too many in a row raise (``non_finite.py``). The update itself is
@@ -38,7 +42,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Type
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer import ChainedOptimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 from torch.profiler import record_function
 
 from .config import MuonConfig
@@ -69,7 +73,9 @@ def muon_rule(config: MuonConfig, ns_method: str) -> MuonRule:
 
 
 class MuonAdamW(torch.optim.AdamW):
-    """The inner torch optimizer Megatron's DistributedOptimizer holds.
+    """The inner torch optimizer of a ``MuonDistributedOptimizer`` (and of the Megatron
+    ``DistributedOptimizer`` its DDP storage holds, which replaces its groups' parameters by
+    this rank's fp32 master shards).
 
     It holds every parameter group, so Megatron's learning-rate scheduler and checkpoints
     see them all; a group flagged ``group['muon']`` keeps the Muon state of its fp32
@@ -105,9 +111,12 @@ def init_state(opt: MuonAdamW, config=None) -> None:
     init_adam_states(opt)
 
 
-class MuonDistributedOptimizer(DistributedOptimizer):
-    """Megatron's distributed optimizer whose matrix parameters are updated by exact,
-    distributed Muon, for one kind of parameters (dense or expert-parallel). Construct with
+class MuonDistributedOptimizer(MixedPrecisionOptimizer):
+    """Megatron's mixed-precision optimizer (loss scale, grad norm, clipping, zero counting,
+    ``step()``) whose matrix parameters are updated by exact, distributed Muon, for one kind
+    of parameters (dense or expert-parallel). Its fp32 masters and the copies between them
+    and the model are its storage backend's (:attr:`storage`: under DDP a Megatron
+    ``DistributedOptimizer`` that the backend holds). Construct with
     :func:`~megatron_muon.get_muon_optimizer`."""
 
     def __init__(
@@ -116,7 +125,6 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         config: MuonConfig,
         grad_scaler,
         model_chunks: List[torch.nn.Module],
-        per_model_buffers: Dict[int, list],
         data_parallel_group: dist.ProcessGroup,
         data_parallel_group_gloo: Optional[dist.ProcessGroup],
         data_parallel_group_idx: int,
@@ -126,31 +134,32 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         qk_clip: Optional[QKClip] = None,
         owner_aligned: bool = False,
         storage: Optional[Type[StorageBackend]] = None,
+        grad_stats_parallel_group: Optional[dist.ProcessGroup] = None,
+        grad_norm_tp_groups: Tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]] = (None, None),
     ) -> None:
+        super().__init__(optimizer, config, grad_scaler, init_state)
         self.name = name
         self.qk_clip = qk_clip
         self._alone: Optional[MuonChainedOptimizer] = None
         self.owner_aligned = owner_aligned
         """DDP was built with ``owner_aligned_param_layout``: owners stay at the DP index holding each matrix."""
-        super().__init__(
-            optimizer,
-            config,
-            grad_scaler,
-            init_state,
-            model_chunks,
-            per_model_buffers,
-            data_parallel_group,
-            data_parallel_group_gloo,
-            data_parallel_group_idx,
-            0,
-        )
+        self.model_chunks = model_chunks
+        self.is_stub_optimizer = False
+        if grad_stats_parallel_group is not None:
+            # As in get_megatron_optimizer: grad statistics over the whole optimizer instance.
+            self.grad_stats_parallel_group = grad_stats_parallel_group
+        # Megatron's grad norm reads them to count TP-duplicated parameters once.
+        self.tp_group, self.expert_tp_group = grad_norm_tp_groups
         self.muon_params = list(muon_params)
         self.muon_param_ids = {id(mp.param) for mp in self.muon_params}
         self.masters_offload: Optional[OffloadedMasters] = None
         """The fp32 masters of the Muon matrices in a CPU pool (``muon_cpu_offload`` with
         Megatron's ``optimizer_cpu_offload``)."""
-        self.storage: StorageBackend = (storage or storage_for(model_chunks))(self, data_parallel_group)
-        """Where the masters, gradients and parameters live (the data-parallel engine's)."""
+        self.storage: StorageBackend = (storage or storage_for(model_chunks))(
+            self, data_parallel_group, data_parallel_group_gloo, data_parallel_group_idx
+        )
+        """Where the masters, gradients and parameters live (the data-parallel engine's); it
+        shards the parameter groups of :attr:`optimizer` into this rank's masters."""
         self.shard_map = self.storage.shard_map
         """Who holds which range of every parameter, and this rank's fp32 masters."""
         self.ns_method = method_for_device(
@@ -242,9 +251,16 @@ class MuonDistributedOptimizer(DistributedOptimizer):
     def _copy_main_params_to_model_params(self) -> None:
         self.storage.copy_masters_to_model()
 
+    def _copy_model_params_to_main_params(self, state_dict=None) -> None:
+        """Megatron's ``reload_model_params``: the masters from the model's parameters."""
+        self.storage.copy_model_to_masters(state_dict)
+
+    def _param_name(self, param: torch.nn.Parameter) -> str:
+        """Megatron's name of a model parameter in optimizer checkpoints (experts numbered globally)."""
+        return self.storage.param_name(param)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self.storage.release_master_grads()
+        self.storage.zero_grad(set_to_none)
 
     def non_finite_grad_names(self) -> List[str]:
         """Names of the model params whose master grad on this rank is non-finite."""
@@ -292,6 +308,12 @@ class MuonDistributedOptimizer(DistributedOptimizer):
         raise NotImplementedError(
             "Call sharded_state_dict() on the MuonChainedOptimizer that get_muon_optimizer "
             "returned: the dense and expert optimizers are saved together, in model coordinates."
+        )
+
+    def load_state_dict(self, state_dict):
+        raise NotImplementedError(
+            "Call load_state_dict() on the MuonChainedOptimizer that get_muon_optimizer returned, with "
+            "what its sharded_state_dict() was loaded into."
         )
 
     def common_state(self) -> Dict[str, object]:

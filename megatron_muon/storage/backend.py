@@ -12,14 +12,16 @@ builds the optimizer:
   ``get_muon_optimizer`` and from Megatron-LM's arguments by its argument check) and chunks
   it did not wrap as it needs (:meth:`check`), preparing the chunks (:meth:`prepare`),
   whether the buffers are owner-aligned (:meth:`owner_aligned`);
-* building the shard map (the constructor);
-* gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`release_master_grads`);
-* masters -> model parameters (:meth:`copy_masters_to_model`) and the parameter sync
+* building what the engine keeps for the optimizer and the shard map (the constructor: under
+  DDP a Megatron ``DistributedOptimizer`` that shards the parameter groups into fp32 masters);
+* gradients -> fp32 masters (:meth:`copy_grads_to_masters`, :meth:`zero_grad`);
+* masters -> model parameters (:meth:`copy_masters_to_model`; back, :meth:`copy_model_to_masters`)
+  and the parameter sync
   (:meth:`start_param_sync`); with ``muon_step_overlap='forward'``, the units the sync
   brings up to date one at a time, and before each the pending step's work on its
   parameters (:meth:`param_sync_units`, :meth:`hook_param_sync`);
 * the checkpoint format it writes (:attr:`checkpoint_format`, :meth:`sharded_state_dict`,
-  :meth:`load_state_dict`).
+  :meth:`load_state_dict`) and Megatron's parameter names in it (:meth:`param_name`).
 
 A new engine is one new module with a subclass, added to ``storage.ENGINES``.
 """
@@ -36,8 +38,8 @@ from ..support import Settings, step_overlap_cannot_run
 
 
 class StorageBackend:
-    """One data-parallel engine's storage, for one ``MuonDistributedOptimizer`` (``opt``:
-    Megatron's ``DistributedOptimizer`` subclass that holds this backend)."""
+    """One data-parallel engine's storage, for one ``MuonDistributedOptimizer`` (``opt``, which
+    holds this backend)."""
 
     checkpoint_format: ClassVar[str]
     """Megatron's ``--ckpt-format`` of the optimizer state this backend writes."""
@@ -54,13 +56,13 @@ class StorageBackend:
         naming the setting, its flag and the fix; empty when it runs. Every engine: the
         distributed optimizer's sharding, one instance of it, and the step overlap where asked."""
         refusals = []
-        if not all(getattr(d, "use_distributed_optimizer", False) for d in settings.ddp):
+        if not all(d.use_distributed_optimizer for d in settings.ddp):
             refusals.append(
                 "megatron_muon needs use_distributed_optimizer=True (DistributedDataParallelConfig, "
                 "--use-distributed-optimizer): the Muon optimizer shards its state like Megatron's "
                 "DistributedOptimizer; add it, or with Megatron-LM use --muon-impl megatron for Megatron-core's Muon"
             )
-        if any(getattr(d, "num_distributed_optimizer_instances", 1) != 1 for d in settings.ddp):
+        if any(d.num_distributed_optimizer_instances != 1 for d in settings.ddp):
             refusals.append(
                 "megatron_muon needs num_distributed_optimizer_instances=1 (--num-distributed-optimizer-instances 1): "
                 "more than one distributed-optimizer instance (HSDP on Megatron-FSDP) is not supported"
@@ -84,13 +86,6 @@ class StorageBackend:
         return {}
 
     @classmethod
-    def chunk_buffers(cls, model_chunks: Sequence[torch.nn.Module], expert: bool) -> Dict[int, list]:
-        """Megatron's ``per_model_buffers`` argument of its ``DistributedOptimizer``: each
-        chunk's buffers of dense (or expert-parallel) parameters, by chunk index; none where
-        the engine keeps its own."""
-        return {}
-
-    @classmethod
     def owner_aligned(cls, config, model_chunks: Sequence[torch.nn.Module]) -> bool:
         """Whether each matrix lies whole in one DP rank's shard (``buffer_layout.py``)."""
         return False
@@ -103,7 +98,15 @@ class StorageBackend:
         return f"{cls.__name__} has no per-unit parameter sync that megatron_muon hooks"
 
     # ------------------------------------------------------------------ the optimizer's storage
-    def __init__(self, opt, data_parallel_group: dist.ProcessGroup) -> None:
+    def __init__(
+        self,
+        opt,
+        data_parallel_group: dist.ProcessGroup,
+        data_parallel_group_gloo: Optional[dist.ProcessGroup] = None,
+        data_parallel_group_idx: int = 0,
+    ) -> None:
+        """``opt``'s storage over ``data_parallel_group`` (with its gloo twin and this rank's
+        model-parallel index, Megatron's ``DistributedOptimizer`` arguments)."""
         self.opt = opt
         self.data_parallel_group = data_parallel_group
         """The group the masters are sharded over (the plan's data-parallel ranks)."""
@@ -122,12 +125,18 @@ class StorageBackend:
         gradient this rank holds (to unscale and check for inf/NaN)."""
         raise NotImplementedError
 
-    def release_master_grads(self) -> None:
-        """Drop the masters' gradients (``zero_grad``)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero (or drop) the model's gradients and the masters' (Megatron's ``zero_grad``)."""
+        raise NotImplementedError
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
         """The updated masters into the model's parameters (their shard of them); only the
         parameters whose ``id`` is in ``params`` if given."""
+        raise NotImplementedError
+
+    def copy_model_to_masters(self, state_dict=None) -> None:
+        """The masters from the model's parameters (or from ``state_dict``'s): Megatron's
+        ``reload_model_params``, after a load of the model without its optimizer."""
         raise NotImplementedError
 
     def start_param_sync(self) -> None:
@@ -152,6 +161,11 @@ class StorageBackend:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoints
+    def param_name(self, param: torch.nn.Parameter) -> str:
+        """Megatron's name of a model parameter in optimizer checkpoints (experts numbered
+        globally)."""
+        raise NotImplementedError
+
     def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
         """The chained optimizer's state in :attr:`checkpoint_format`."""
         raise NotImplementedError

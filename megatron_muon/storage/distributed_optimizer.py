@@ -1,11 +1,17 @@
 """Storage under Megatron's ``DistributedDataParallel`` with the distributed optimizer: the
-DDP buffers hold the model's parameters and reduce-scattered gradients, Megatron's
-``DistributedOptimizer`` (which ``MuonDistributedOptimizer`` subclasses) this rank's fp32
-masters of its shard of every bucket.
+DDP buffers hold the model's parameters and reduce-scattered gradients, a Megatron
+``DistributedOptimizer`` that this backend builds and holds (:attr:`DistributedOptimizerStorage.engine`)
+this rank's fp32 masters of its shard of every bucket.
 
-Megatron's optimizer code does the copies (grads -> masters, masters -> model); this
-backend calls it, adds the CPU-offloaded masters' gradient placeholders, and all-gathers
-only the bucket groups of its own optimizer's buffers.
+The engine is Megatron's own class, built as ``get_megatron_optimizer`` builds it, over the
+``MuonDistributedOptimizer``'s torch optimizer: its constructor cuts the buffers into
+per-rank ranges and replaces the parameter groups' parameters by fp32 master shards, and its
+methods make the copies (grads -> masters, masters -> model, model -> masters) and name the
+parameters. Held rather than inherited: the Muon optimizer is a Megatron
+``MixedPrecisionOptimizer`` on every engine, and only this module knows a DDP buffer. This
+backend adds the CPU-offloaded masters' gradient placeholders, a copy of a subset of the
+masters (the step overlap), and all-gathers only the bucket groups of its own optimizer's
+buffers.
 """
 
 from __future__ import annotations
@@ -62,8 +68,8 @@ class DistributedOptimizerStorage(StorageBackend):
                     "use_distributed_optimizer=True), module=chunk) first."
                 )
 
-    @classmethod
-    def chunk_buffers(cls, model_chunks: Sequence[torch.nn.Module], expert: bool) -> Dict[int, list]:
+    @staticmethod
+    def chunk_buffers(model_chunks: Sequence[torch.nn.Module], expert: bool) -> Dict[int, list]:
         """Each DDP chunk's ``buffers`` (``expert_parallel_buffers``), as Megatron's
         ``get_megatron_optimizer`` hands them to its ``DistributedOptimizer``."""
         buffers = (
@@ -101,22 +107,37 @@ class DistributedOptimizerStorage(StorageBackend):
             )
         return None
 
-    def __init__(self, opt, data_parallel_group) -> None:
+    def __init__(self, opt, data_parallel_group, data_parallel_group_gloo=None, data_parallel_group_idx=0) -> None:
+        self.engine = DistributedOptimizer(
+            opt.optimizer,
+            opt.config,
+            opt.grad_scaler,
+            opt.init_state_fn,
+            opt.model_chunks,
+            self.chunk_buffers(opt.model_chunks, expert=opt.name == "expert"),
+            data_parallel_group,
+            data_parallel_group_gloo,
+            data_parallel_group_idx,
+            0,
+        )
+        """Megatron's distributed optimizer over ``opt``'s torch optimizer: the ranges of the
+        buffers, the fp32 master shards, the copies."""
         # The plan's DP group is the buffers' own (Megatron's intra-instance group).
-        super().__init__(opt, opt.buffers[0].data_parallel_group if opt.buffers else data_parallel_group)
+        buffers = self.engine.buffers
+        super().__init__(opt, buffers[0].data_parallel_group if buffers else data_parallel_group)
         prefetch_param_gathers_in_forward_order(opt.model_chunks)
 
     def build_shard_map(self) -> ShardMap:
         """Megatron's DDP buffers say who holds what; its master groups hold this rank's
         fp32 masters (``shard_fp32_from_float16_groups`` / ``shard_fp32_groups``)."""
-        opt = self.opt
+        engine = self.engine
         masters = {}
-        for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups):
+        for models, mains in zip(engine.model_float16_groups, engine.shard_fp32_from_float16_groups):
             masters.update({id(m): s for m, s in zip(models, mains)})
-        for models, mains in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
+        for models, mains in zip(engine.model_fp32_groups, engine.shard_fp32_groups):
             masters.update({id(m): s for m, s in zip(models, mains)})
         shards = []
-        for buffer in opt.buffers:
+        for buffer in engine.buffers:
             group = buffer.data_parallel_group
             size, rank = group.size(), group.rank()
             for param in buffer.param_index_map:
@@ -125,7 +146,7 @@ class DistributedOptimizerStorage(StorageBackend):
         return ShardMap(shards)
 
     def float16_masters(self) -> List[torch.Tensor]:
-        float16 = {id(m) for group in self.opt.shard_fp32_from_float16_groups for m in group}
+        float16 = {id(m) for group in self.engine.shard_fp32_from_float16_groups for m in group}
         masters = (self.shard_map.master(mp.param) for mp in self.opt.muon_params)
         return [m for m in masters if m is not None and id(m) in float16]
 
@@ -134,8 +155,11 @@ class DistributedOptimizerStorage(StorageBackend):
         device placeholders."""
         offload = self.opt.masters_offload
         with offload.grads_assignable() if offload is not None else contextlib.nullcontext():
-            DistributedOptimizer._copy_model_grads_to_main_grads(self.opt)
-        return DistributedOptimizer._collect_main_grad_data_for_unscaling(self.opt)
+            self.engine._copy_model_grads_to_main_grads()
+        return self.engine._collect_main_grad_data_for_unscaling()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(set_to_none)
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
         """Megatron's copy (CPU-offloaded masters from a pinned pool in the model's dtype:
@@ -144,33 +168,36 @@ class DistributedOptimizerStorage(StorageBackend):
         then sends).
         Megatron has no per-parameter copy; the subset path is its plain (unquantized) one,
         so the step overlap that uses it is refused with FP8 / FP4 parameter gathers."""
-        opt = self.opt
+        engine = self.engine
         if params is None:
-            offload = opt.masters_offload
-            dtype = next((p.dtype for group in opt.model_float16_groups for p in group), None)
+            offload = self.opt.masters_offload
+            dtype = next((p.dtype for group in engine.model_float16_groups for p in group), None)
             with offload.in_model_dtype(dtype) if offload is not None and dtype else contextlib.nullcontext():
-                DistributedOptimizer._copy_main_params_to_model_params(opt)
+                engine._copy_main_params_to_model_params()
             return
         groups = zip(
-            opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups, opt.model_float16_groups + opt.model_fp32_groups
+            engine.shard_fp32_from_float16_groups + engine.shard_fp32_groups,
+            engine.model_float16_groups + engine.model_fp32_groups,
         )
         for masters, models in groups:
             for master, param in zip(masters, models):
                 if id(param) not in params:
                     continue
-                world = opt._get_model_param_range_map(param)["gbuf_world_in_bucket"]
-                buffer_index, _, bucket_index = opt.model_param_gbuf_map[param]
-                param_data = opt.buffers[buffer_index].buckets[bucket_index].param_data
+                world = engine._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+                buffer_index, _, bucket_index = engine.model_param_gbuf_map[param]
+                param_data = engine.buffers[buffer_index].buckets[bucket_index].param_data
                 param_data.view(-1)[world.start : world.end].copy_(master)
+
+    def copy_model_to_masters(self, state_dict=None) -> None:
+        self.engine._copy_model_params_to_main_params(state_dict)
 
     def own_bucket_groups(self) -> List[Tuple[Any, Any]]:
         """(model chunk, bucket group) of every DDP bucket group built from this optimizer's
         own buffers (dense or expert-parallel), in model-chunk order."""
-        opt = self.opt
-        mine = {id(bucket) for buffer in opt.buffers for bucket in buffer.buckets}
+        mine = {id(bucket) for buffer in self.engine.buffers for bucket in buffer.buckets}
         return [
             (model_chunk, bucket_group)
-            for model_chunk in opt.model_chunks
+            for model_chunk in self.opt.model_chunks
             for bucket_group in model_chunk.bucket_groups + model_chunk.expert_parallel_bucket_groups
             if any(id(bucket) in mine for bucket in bucket_group.buckets)
         ]
@@ -185,11 +212,10 @@ class DistributedOptimizerStorage(StorageBackend):
         ours tags its owner-aligned buffers the same way and updates them itself, so the tag
         says nothing here. Walking every group would all-gather each one once per chained
         optimizer: twice per step with experts."""
-        opt = self.opt
-        if opt.ddp_config.overlap_param_gather:
+        if self.engine.ddp_config.overlap_param_gather:
             return
         groups = self.own_bucket_groups()
-        with megatron_timer(opt.config, "params-all-gather"):
+        with megatron_timer(self.opt.config, "params-all-gather"):
             for model_chunk, bucket_group in groups:
                 model_chunk._start_bucket_group_param_sync(bucket_group, force_sync=False)
 
@@ -205,6 +231,9 @@ class DistributedOptimizerStorage(StorageBackend):
         current = unit.start_param_sync
         megatron_start = current.megatron_start_param_sync if isinstance(current, PendingStepFirst) else current
         unit.start_param_sync = PendingStepFirst(megatron_start, pending, index)
+
+    def param_name(self, param: torch.nn.Parameter) -> str:
+        return self.engine._param_name(param)
 
     def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
         return optimizer_sharded_state(chain, model_sharded_state_dict, is_loading)

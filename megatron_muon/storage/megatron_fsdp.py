@@ -12,8 +12,9 @@ of the DDP buffers under Megatron's distributed optimizer, so Muon's plan, owner
 pipeline run unchanged on it: :func:`shard_ranges` evaluates Megatron-FSDP's own shard
 function for every rank, and the backend takes this rank's fp32 masters from the optimizer
 parameters Megatron-FSDP registers (``DTensor`` views of the main-weight shards). The
-main-weight buffer is the master, the main-grad shard its gradient. Megatron's
-``DistributedOptimizer`` keeps no masters of its own here (its constructor returns early).
+main-weight buffer is the master, the main-grad shard its gradient. No Megatron
+``DistributedOptimizer`` is built here: the copies are Megatron-FSDP's own
+(``copy_main_weights_to_model_weights``, ``zero_grad_buffer``), called by the backend.
 
 A parameter may start in one rank's shard and end in the next (Megatron-FSDP aligns items
 to the least common multiple of the group's row lengths, then packs): the Muon step moves
@@ -26,7 +27,6 @@ from __future__ import annotations
 from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from ..checkpoint import fsdp_dtensor
 from ..megatron_fsdp_fix import SINGLE_RANK_GROUPS as SINGLE_RANK_GROUPS  # the defect's fix, here for callers
@@ -209,9 +209,9 @@ class MegatronFSDPStorage(StorageBackend):
         carry_parameter_attributes(model_chunks)
         return dp_groups(model_chunks)
 
-    def __init__(self, opt, data_parallel_group) -> None:
-        opt.buffers, opt.data_parallel_group = [], data_parallel_group
+    def __init__(self, opt, data_parallel_group, data_parallel_group_gloo=None, data_parallel_group_idx=0) -> None:
         super().__init__(opt, data_parallel_group)
+        self._param_names: Optional[Dict[torch.nn.Parameter, str]] = None
         self.muon_group_of: Dict[int, dict] = {}
         """id(DTensor parameter) -> its Muon group (its master may be absent here: an empty shard)."""
         self._hold_flat_masters()
@@ -266,19 +266,28 @@ class MegatronFSDPStorage(StorageBackend):
         params = (p for g in self.opt.optimizer.param_groups for p in g["params"])
         return [local_flat(p.grad) for p in params if p.grad is not None]
 
-    def release_master_grads(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Megatron-FSDP zeroes its gradient buffers (what Megatron's distributed optimizer
+        asks of it); the masters' gradients, views of them, are dropped."""
+        for chunk in self.opt.model_chunks:
+            chunk.zero_grad_buffer()
         for shard in self.shard_map:
             if shard.master is not None:
                 shard.master.grad = None
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
-        """Megatron's copy (its Megatron-FSDP branch); one copy covers the dense and the
-        expert parameters of a chunk, so the dense optimizer makes it. Never for a subset:
-        the step does not overlap on Megatron-FSDP (:meth:`step_overlap_refusal`)."""
+        """Megatron-FSDP's copy of its main weights into the compute weights (what Megatron's
+        distributed optimizer asks of it); one copy covers the dense and the expert
+        parameters of a chunk, so the dense optimizer makes it. Never for a subset: the step
+        does not overlap on Megatron-FSDP (:meth:`step_overlap_refusal`)."""
         if params is not None:
             raise NotImplementedError("Megatron-FSDP copies every parameter at once.")
         if self.opt.name == "dense":
-            DistributedOptimizer._copy_main_params_to_model_params(self.opt)
+            for chunk in self.opt.model_chunks:
+                chunk.param_and_grad_buffer.copy_main_weights_to_model_weights()
+
+    def copy_model_to_masters(self, state_dict=None) -> None:
+        raise NotImplementedError("Megatron-FSDP does not implement a model-to-main parameter update.")
 
     def start_param_sync(self) -> None:
         """Megatron-FSDP gathers (or, overlapping, prepares to gather) every parameter group
@@ -287,6 +296,19 @@ class MegatronFSDPStorage(StorageBackend):
             with megatron_timer(self.opt.config, "params-all-gather"):
                 for chunk in self.opt.model_chunks:
                     chunk.start_param_sync()
+
+    def param_name(self, param: torch.nn.Parameter) -> str:
+        """The chunks' parameter names with the experts numbered globally by Megatron's own
+        ``handle_experts_in_state_dict`` (as its distributed optimizer names them)."""
+        if self._param_names is None:
+            from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+            named: Dict[str, torch.nn.Parameter] = {}
+            for chunk in self.opt.model_chunks:
+                named.update(chunk.named_parameters())
+            named = handle_experts_in_state_dict(named, self.opt.model_chunks[0].config.num_moe_experts)
+            self._param_names = {p: n for n, p in named.items()}
+        return self._param_names[param]
 
     def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
         sharding = (metadata or {}).get("distrib_optim_sharding_type")

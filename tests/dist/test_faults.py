@@ -39,7 +39,7 @@ def _snapshot(model, opt) -> list:
     """Every tensor a step may change: model params, fp32 masters, optimizer state."""
     out = [p.detach().clone() for chunk in model for p in chunk.parameters()]
     for o in opt.muon_optimizers:
-        for group in o.shard_fp32_from_float16_groups + o.shard_fp32_groups:
+        for group in o.storage.engine.shard_fp32_from_float16_groups + o.storage.engine.shard_fp32_groups:
             out += [t.detach().clone() for t in group]
         for state in o.optimizer.state.values():
             out += [v.clone() for _, v in sorted(state.items()) if torch.is_tensor(v)]

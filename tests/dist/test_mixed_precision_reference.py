@@ -89,11 +89,12 @@ def _master_pieces(opt, read: Callable) -> Dict[torch.nn.Parameter, Tuple[int, i
     range maps; the offloaded masters are their CPU views, read where they live."""
     out = {}
     for o in opt.muon_optimizers:
-        pairs = list(zip(o.model_float16_groups, o.shard_fp32_from_float16_groups))
-        pairs += list(zip(o.model_fp32_groups, o.shard_fp32_groups))
+        engine = o.storage.engine  # Megatron's DistributedOptimizer, held by the DDP storage
+        pairs = list(zip(engine.model_float16_groups, engine.shard_fp32_from_float16_groups))
+        pairs += list(zip(engine.model_fp32_groups, engine.shard_fp32_groups))
         for models, mains in pairs:
             for param, main in zip(models, mains):
-                rng = o._get_model_param_range_map(param)["param"]
+                rng = engine._get_model_param_range_map(param)["param"]
                 out[param] = (rng.start, rng.end, read(o, main))
     return out
 
