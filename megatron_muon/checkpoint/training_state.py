@@ -27,7 +27,8 @@ from .optimizer_state import (
     unused_state_prefixes,
 )
 from .publish import publish, resolve_checkpoint_dir
-from .reading import bounded, restricted_reading
+from .reading import restricted_reading
+from .torch_dist import TORCH_DIST
 
 
 def model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -56,17 +57,7 @@ def save_checkpoint(
 def read_common(checkpoint_dir: str) -> Dict[str, Any]:
     """The common (non-tensor) state of the torch_dist checkpoint ``checkpoint_dir``, without
     loading any tensor, through the restricted unpickler."""
-    from megatron.core import dist_checkpointing
-
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointError(f"{checkpoint_dir} is not a checkpoint directory")
-    try:
-        with bounded(f"the common state of {checkpoint_dir}"), restricted_reading():
-            return dist_checkpointing.load_common_state_dict(checkpoint_dir)
-    except (ReadStopped, *READ_ERRORS) as e:  # any unreadable file is the same user error
-        raise checkpoint_error_in(e) or CheckpointError(
-            f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}"
-        ) from e
+    return TORCH_DIST.read_common(checkpoint_dir)
 
 
 def load_checkpoint(
