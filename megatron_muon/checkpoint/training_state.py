@@ -17,18 +17,10 @@ import torch
 
 from .errors import CheckpointError, ReadStopped, checkpoint_error_in
 from .integrity import verify_manifest
-from .optimizer_state import (
-    READ_ERRORS,
-    keep_states,
-    requested_keys,
-    require_ours,
-    saved_keys,
-    states_to_load,
-    unused_state_prefixes,
-)
+from .optimizer_state import READ_ERRORS, require_ours, saved_keys, states_to_load, unused_state_prefixes
 from .publish import publish, resolve_checkpoint_dir
 from .reading import restricted_reading
-from .torch_dist import TORCH_DIST
+from .torch_dist import TORCH_DIST, keep_states, requested_keys
 
 
 def model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -122,9 +114,7 @@ def load_checkpoint(
         if unknown:
             raise CheckpointError(f"model chunk {i} does not match {checkpoint_dir}: {unknown[:3]}")
     if load_optimizer:
-        from .optimizer_state import load_optimizer_state
-
-        load_optimizer_state(optimizer, loaded["optimizer"])
+        TORCH_DIST.load_state_dict(optimizer, loaded["optimizer"])
     else:
         optimizer.reload_model_params()
     return dict(common.get("extra", {}))

@@ -43,15 +43,10 @@ from megatron_muon.checkpoint.integrity import (
     verify_manifest,
     write_atomically,
 )
-from megatron_muon.checkpoint.optimizer_state import (
-    keep_states,
-    optimizer_kind,
-    requested_keys,
-    saved_keys,
-    states_to_load,
-)
+from megatron_muon.checkpoint.optimizer_state import optimizer_kind, saved_keys, states_to_load
 from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
 from megatron_muon.checkpoint.reading import regular_files_only
+from megatron_muon.checkpoint.torch_dist import keep_states, requested_keys
 
 from .checkpoint_dirs import (
     COMMON_ITEMS,
