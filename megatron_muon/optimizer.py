@@ -255,10 +255,6 @@ class MuonDistributedOptimizer(MixedPrecisionOptimizer):
         """Megatron's ``reload_model_params``: the masters from the model's parameters."""
         self.storage.copy_model_to_masters(state_dict)
 
-    def _param_name(self, param: torch.nn.Parameter) -> str:
-        """Megatron's name of a model parameter in optimizer checkpoints (experts numbered globally)."""
-        return self.storage.param_name(param)
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.storage.zero_grad(set_to_none)
 

@@ -1,8 +1,10 @@
 """Checkpoints: what megatron_muon writes and how it reads them, in one layer.
 
-* :mod:`.optimizer_state`: the optimizer's state in model coordinates (torch_dist), and the
+* :mod:`.format`, :mod:`.formats`: what a checkpoint format is, one object per format
+  (:mod:`.torch_dist`, :mod:`.fsdp_dtensor`: the optimizer's save and load, detecting a
+  directory, its common state, the converter's read and write), and which one a directory holds;
+* :mod:`.optimizer_state`: the optimizer's state in model coordinates (torch_dist's), and the
   one check of whether optimizer state is ours and holds what a run loads;
-* :mod:`.fsdp_dtensor`: the same state as Megatron-FSDP's DTensors;
 * :mod:`.training_state`: :func:`save_checkpoint` / :func:`load_checkpoint` of a whole
   training state, for a loop of your own;
 * :mod:`.publish`: the one routine every writer goes through (staged, manifest, verified,
@@ -12,8 +14,9 @@
 * :mod:`.save_lock`: one job per save directory;
 * :mod:`.errors`: what a checkpoint that cannot be used raises.
 
-Megatron-LM's directory layout (iterations, tracker) and its save and load hooks live in
-``megatron_muon.megatron_lm`` (``checkpoint_dirs``, ``checkpoint_guards``).
+Megatron-LM's directory layout (iterations, tracker), its save and load hooks and what the
+converter needs of it live in ``megatron_muon.megatron_lm`` (``checkpoint_dirs``,
+``checkpoint_guards``, ``converter_support``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The Muon optimizer's state in Megatron ``dist_checkpointing`` (torch_dist), reshardable.
+"""The Muon optimizer's state in model coordinates, as every checkpoint format keeps it.
 
 Every optimizer state tensor is saved in *model coordinates*: for each model parameter,
 its fp32 master weight (``param``) and its states (the registry's, ``state.MUON_STATES``,
@@ -12,25 +12,18 @@ follow. The key names are Megatron's ``fully_reshardable`` names
 (``optimizer.state.<state>.<param key>``), so a Megatron AdamW checkpoint differs from
 ours only in which state keys exist (``tools/convert_checkpoint.py`` converts).
 
-Saving: states kept per logical matrix on its owner are first expanded to the matrix and
-cut to the holders of its pieces (the step's own scatter, in fp32); then each rank writes
-only its own range of each parameter, as boxes of the parameter's global tensor
-(``ranges.range_pieces``: uneven shards, no communication, no copy of the TP-local
-tensor). The data-parallel ranks hold different ranges, so each is the writer of its own;
-replicas across TP (norms) are written once by Megatron's replica ids. Loading: each rank
-asks for the same boxes of its own (possibly different) range, which DCP reads from
-whatever chunks were written (a checkpoint of the first format holds whole TP-local
-tensors; it loads the same way); owner-kept states travel back to the (possibly different)
-owners.
-
-Whether optimizer state is ours at all (:func:`require_ours`) and which states a load reads
+Here is what the formats share (``torch_dist``, ``fsdp_dtensor``: each format's own module
+lays it out): a rank's values of each state for a save (:func:`shard_values`: owner-kept
+states first expanded to the matrix and cut to the holders of its pieces, the step's own
+scatter), setting them back after a load (:func:`load_param_state`: owner-kept states
+travel back to the, possibly different, owners), the common state (:func:`common_state`),
+whether optimizer state is ours at all (:func:`require_ours`) and which states a load reads
 (:func:`states_to_load`: a state the registry marks optional and the checkpoint lacks starts
-at zero; a required one missing is refused) are decided here for every format and tool.
+at zero; a required one missing is refused), for every format and tool.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Collection, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -39,7 +32,6 @@ import torch.distributed.checkpoint.api
 from .. import state as registry
 from ..state import MASTER, checkpoint_states, muon_states, required_in_checkpoint
 from .errors import CheckpointError
-from .ranges import RangePiece, range_pieces
 from .reading import read_dcp_metadata
 
 FORMAT = "megatron_muon/1"
@@ -78,7 +70,7 @@ def model_param_metadata(model_sharded_state_dict) -> Dict[int, Any]:
     return out
 
 
-def _held_in_place(opt) -> Iterator[Tuple[Any, str, Optional[torch.Tensor]]]:
+def held_in_place(opt) -> Iterator[Tuple[Any, str, Optional[torch.Tensor]]]:
     """(shard, state, the tensor holding this rank's range of it, or None) for every state
     of every param whose master this rank holds: the fp32 master, a per-shard state once
     allocated; None for one not allocated yet and for the owner-kept ones, which live per
@@ -98,7 +90,7 @@ def shard_values(opt) -> Dict[int, Dict[str, torch.Tensor]]:
     rank holds (zeros for a state not allocated yet). Collective over the orthogonalization
     group when there are owner-kept states: the owners scatter them, expanded."""
     out: Dict[int, Dict[str, torch.Tensor]] = {}
-    for shard, name, value in _held_in_place(opt):
+    for shard, name, value in held_in_place(opt):
         values = out.setdefault(id(shard.param), {})
         values[name] = value if value is not None else torch.zeros_like(shard.master, dtype=torch.float32)
     for name in (s.name for s in muon_states(opt.config, "owner")):
@@ -117,134 +109,11 @@ def params_in_order(opt) -> Iterator[Tuple[str, torch.nn.Parameter]]:
         yield f"{opt.name}.{i}", param
 
 
-STATES = "states"
-"""An entry's ``{state: [ShardedTensor of each box]}`` (absent where the rank holds none)."""
-RANGES = "ranges"
-"""An entry's :class:`Ranges` (not written: Megatron's ``LocalNonpersistentObject``)."""
-
-
-@dataclass(frozen=True)
-class Ranges:
-    """What one parameter's entry asks for: each state's checkpoint key, and the boxes of
-    this rank's range (``ranges.range_pieces``) that its ShardedTensors hold, in order."""
-
-    keys: Dict[str, str]
-    pieces: Tuple[RangePiece, ...]
-
-
-def _ranges(entry: Dict[str, Any]) -> Ranges:
-    """The :class:`Ranges` of an entry, before a load (wrapped) or after it."""
-    ranges = entry[RANGES]
-    return ranges.unwrap() if hasattr(ranges, "unwrap") else ranges
-
-
-def requested_keys(param_state: Mapping[str, Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
-    """``{name: {state: checkpoint key}}`` of what a load of ``param_state`` asks for
-    (:func:`states_to_load` decides which of them a checkpoint must hold)."""
-    return {name: dict(_ranges(entry).keys) for name, entry in param_state.items()}
-
-
-def keep_states(param_state: Dict[str, Dict[str, Any]], kept: Mapping[str, Collection[str]]) -> None:
-    """Leave in ``param_state`` (a load's request) only the states ``kept`` names (also in
-    its :class:`Ranges`, which say on every rank, holder or not, which states a load set)."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
-
-    for name, states in kept.items():
-        entry = param_state[name]
-        ranges = _ranges(entry)
-        keys = {s: key for s, key in ranges.keys.items() if s in states}
-        entry[RANGES] = LocalNonpersistentObject(Ranges(keys, ranges.pieces))
-        entry[STATES] = {s: v for s, v in entry.get(STATES, {}).items() if s in states}
-        if not entry[STATES]:
-            del entry[STATES]
-
-
-def _sharded_param_state(opt, model_sharded_state_dict, is_loading: bool) -> Dict[str, Dict[str, Any]]:
-    """``{python key: {"states": {state: [ShardedTensor]}, "ranges": Ranges}}`` for one
-    MuonDistributedOptimizer: each state's boxes of this rank's range (module docstring)."""
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
-
-    metadata = model_param_metadata(model_sharded_state_dict)
-    values = load_targets(opt) if is_loading else shard_values(opt)
-    out: Dict[str, Dict[str, Any]] = {}
-    for name, param in params_in_order(opt):
-        sh = metadata.get(id(param))
-        if sh is None:
-            raise CheckpointError(
-                f"A parameter of shape {tuple(param.shape)} is missing from the model's "
-                "sharded_state_dict; build it with model.sharded_state_dict() (keep_vars) "
-                "from the same model chunks the optimizer was built for."
-            )
-        shard = opt.shard_map[param]
-        pieces = tuple(range_pieces(sh, param.shape, shard.start, shard.end)) if shard.master is not None else ()
-        names = state_names(opt, param)
-        entry: Dict[str, Any] = {
-            RANGES: LocalNonpersistentObject(Ranges({key: state_key(key, sh.key) for key in names}, pieces))
-        }
-        if pieces:
-            entry[STATES] = {
-                key: [
-                    piece.sharded_tensor(
-                        state_key(key, piece.placement.key),
-                        piece.take(values[id(param)][key])
-                        if key in values.get(id(param), {})
-                        else torch.empty(piece.shape, dtype=torch.float32, device=param.device),
-                    )
-                    for piece in pieces
-                ]
-                for key in names
-            }
-        out[name] = entry
-    return out
-
-
-def load_targets(opt) -> Dict[int, Dict[str, torch.Tensor]]:
-    """id(param) -> {state: the tensor holding this rank's range of it} where one exists that
-    a load can fill in place (the fp32 master, the per-shard states; not the owner-kept
-    ones, which live per logical matrix): a box that is a contiguous run of it is read by
-    DCP straight into it, so a load allocates nothing for it."""
-    out: Dict[int, Dict[str, torch.Tensor]] = {}
-    for shard, name, t in _held_in_place(opt):
-        mine = out.setdefault(id(shard.param), {})
-        if t is not None and t.dtype == torch.float32 and t.is_contiguous() and t.numel() == shard.master.numel():
-            mine[name] = t.view(-1)
-    return out
-
-
-def own_ranges(opt, param_state: Mapping[str, Dict[str, Any]]) -> Dict[str, Dict[str, torch.Tensor]]:
-    """What a load of :func:`_sharded_param_state` returned, as ``{python key: {state: this
-    rank's range of it, 1-D}}`` for :func:`load_param_state`: the load's targets
-    (:func:`load_targets`), every box put in place (a no-op for one read in place)."""
-    targets = load_targets(opt)
-    out: Dict[str, Dict[str, torch.Tensor]] = {}
-    for name, param in params_in_order(opt):
-        entry = param_state[name]
-        pieces = _ranges(entry).pieces
-        shard = opt.shard_map[param]
-        mine = out[name] = {}
-        for key in _ranges(entry).keys:
-            flat = targets.get(id(param), {}).get(key)
-            if flat is None:
-                flat = torch.empty(shard.end - shard.start if pieces else 0, dtype=torch.float32)
-            mine[key] = flat
-            for piece, value in zip(pieces, entry.get(STATES, {}).get(key, ()), strict=True):
-                piece.put(flat, value)
-    return out
-
-
 def common_state(step: int, optimizers: Dict[str, Any], muon_config: Dict[str, Any]) -> Dict[str, Any]:
     """The non-tensor part of a Muon optimizer checkpoint, the one schema (the converter
     writes it too): format, successful steps, each optimizer's grad scaler and parameter
     groups (``MuonDistributedOptimizer.common_state``), the ``MuonConfig`` settings saved."""
     return {"format": FORMAT, "step": step, "optimizers": optimizers, "muon_config": muon_config}
-
-
-def optimizer_sharded_state(chain, model_sharded_state_dict, is_loading: bool) -> Dict[str, Any]:
-    """The ``MuonChainedOptimizer``'s whole sharded state (``sharded_state_dict``)."""
-    param_state: Dict[str, object] = {}
-    for opt in chain.muon_optimizers:
-        param_state.update(_sharded_param_state(opt, model_sharded_state_dict, is_loading))
-    return dict(chain_common_state(chain), param_state=param_state)
 
 
 def chain_common_state(chain) -> Dict[str, Any]:
@@ -327,19 +196,6 @@ def unused_state_prefixes(config) -> Tuple[str, ...]:
     return tuple(state_key(s.name, "") for s in registry.MUON_STATES if not s.enabled(config))
 
 
-@torch.no_grad()
-def load_optimizer_state(chain, state_dict: Dict[str, Any]) -> None:
-    """Load what ``dist_checkpointing.load`` returned for :func:`optimizer_sharded_state`
-    into the chained optimizers (collective over each orthogonalization group when there
-    are owner-kept states: the holders send their pieces to the new owners)."""
-    require_ours(state_dict, "The optimizer state loaded")
-    chain.num_steps = int(state_dict["step"])
-    commons = state_dict["optimizers"]
-    for opt in chain.muon_optimizers:
-        load_param_state(opt, own_ranges(opt, state_dict["param_state"]), chain.num_steps)
-        opt.load_common_state(commons.get(opt.name) or commons["dense"])
-
-
 def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step: int) -> None:
     """Set ``opt``'s masters and states from ``param_state`` (python key -> {state: this
     rank's range of it})."""
@@ -356,7 +212,7 @@ def load_param_state(opt, param_state: Dict[str, Dict[str, torch.Tensor]], step:
             flat = tensors[key].reshape(-1).to(shard.master.device)
             current = shard.master if key == MASTER else state.get(key)
             if current is not None and current.data_ptr() == flat.data_ptr():
-                continue  # read in place (``load_targets``)
+                continue  # read in place (``torch_dist.load_targets``)
             if key == MASTER:
                 shard.master.copy_(flat)
             elif key in owner_kept:

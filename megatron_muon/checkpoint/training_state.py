@@ -17,17 +17,10 @@ import torch
 
 from .errors import CheckpointError, ReadStopped, checkpoint_error_in
 from .integrity import verify_manifest
-from .optimizer_state import (
-    READ_ERRORS,
-    keep_states,
-    requested_keys,
-    require_ours,
-    saved_keys,
-    states_to_load,
-    unused_state_prefixes,
-)
+from .optimizer_state import READ_ERRORS, require_ours, saved_keys, states_to_load, unused_state_prefixes
 from .publish import publish, resolve_checkpoint_dir
-from .reading import bounded, restricted_reading
+from .reading import restricted_reading
+from .torch_dist import TORCH_DIST, keep_states, requested_keys
 
 
 def model_sharded_state_dict(model: List[torch.nn.Module]) -> Dict[str, Any]:
@@ -56,17 +49,7 @@ def save_checkpoint(
 def read_common(checkpoint_dir: str) -> Dict[str, Any]:
     """The common (non-tensor) state of the torch_dist checkpoint ``checkpoint_dir``, without
     loading any tensor, through the restricted unpickler."""
-    from megatron.core import dist_checkpointing
-
-    if not os.path.isdir(checkpoint_dir):
-        raise CheckpointError(f"{checkpoint_dir} is not a checkpoint directory")
-    try:
-        with bounded(f"the common state of {checkpoint_dir}"), restricted_reading():
-            return dist_checkpointing.load_common_state_dict(checkpoint_dir)
-    except (ReadStopped, *READ_ERRORS) as e:  # any unreadable file is the same user error
-        raise checkpoint_error_in(e) or CheckpointError(
-            f"{checkpoint_dir} is not a readable torch_dist checkpoint: {e}"
-        ) from e
+    return TORCH_DIST.read_common(checkpoint_dir)
 
 
 def load_checkpoint(
@@ -131,9 +114,7 @@ def load_checkpoint(
         if unknown:
             raise CheckpointError(f"model chunk {i} does not match {checkpoint_dir}: {unknown[:3]}")
     if load_optimizer:
-        from .optimizer_state import load_optimizer_state
-
-        load_optimizer_state(optimizer, loaded["optimizer"])
+        TORCH_DIST.load_state_dict(optimizer, loaded["optimizer"])
     else:
         optimizer.reload_model_params()
     return dict(common.get("extra", {}))

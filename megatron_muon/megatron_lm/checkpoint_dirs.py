@@ -1,10 +1,10 @@
-"""Megatron-LM's checkpoint directories, and reading and writing both of its formats.
+"""Megatron-LM's checkpoint directories: their layout, verified before any read.
 
 A save directory (``--save``) holds ``iter_NNNNNNN`` directories (or ``release``) and the
 tracker ``latest_checkpointed_iteration.txt`` naming the one to resume from. An iteration
-directory is ``torch_dist`` (Megatron-core's dist-checkpointing: ``metadata.json`` beside
-torch DCP's files) or ``fsdp_dtensor`` (torch DCP alone, Megatron-FSDP's). What
-megatron_muon writes there also carries its manifest and record (``checkpoint.integrity``).
+directory holds one checkpoint format (``checkpoint.formats``: torch_dist or fsdp_dtensor),
+whose object reads and writes it; what megatron_muon writes there also carries its manifest
+and record (``checkpoint.integrity``).
 
 Every read here verifies first and unpickles through the restricted unpickler
 (``checkpoint.unpickling``); every write goes through ``checkpoint.publish`` under the
@@ -18,32 +18,26 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import torch
-
-from megatron_muon.checkpoint import staging
-from megatron_muon.checkpoint.errors import CheckpointError, ReadStopped, checkpoint_error_in
+from megatron_muon.checkpoint import formats, staging
+from megatron_muon.checkpoint.errors import CheckpointError
+from megatron_muon.checkpoint.format import Checkpoint, CheckpointFormat
+from megatron_muon.checkpoint.fsdp_dtensor import FSDP_DTENSOR, load_dcp  # noqa: F401 (load_dcp: for callers)
 from megatron_muon.checkpoint.integrity import (
     MANIFEST,
     RECORD,
     has_manifest,
     missing_manifest_error,
-    record,
     saved_with_manifest,
-    stored_format,
     verify_manifest,
 )
-from megatron_muon.checkpoint.optimizer_state import READ_ERRORS, STATE_PREFIX
+from megatron_muon.checkpoint.optimizer_state import STATE_PREFIX
 from megatron_muon.checkpoint.publish import PREVIOUS, STAGING, publish, recover_interrupted_swap
-from megatron_muon.checkpoint.reading import (
-    bounded,
-    open_regular,
-    read_dcp_metadata,
-    regular_files_only,
-    restricted_reading,
-)
+from megatron_muon.checkpoint.reading import bounded, open_regular, read_dcp_metadata, regular_files_only
+from megatron_muon.checkpoint.torch_dist import TORCH_DIST
+
+from .converter_support import SUPPORT
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -175,7 +169,7 @@ def resolve_source(src: str) -> str:
                 raise CheckpointError(f"{os.path.join(src, TRACKER)} is empty and {src} holds no iteration")
             return os.path.join(src, RELEASE if tracked == RELEASE else iteration_dir_name(int(tracked)))
         return os.path.join(src, iteration_dir_name(iteration))
-    if checkpoint_format(src) == "unknown":
+    if formats.detect(src) is None:
         raise CheckpointError(
             f"{src} is neither a checkpoint directory (no {TRACKER}) nor a torch_dist or fsdp_dtensor "
             "checkpoint; give the --save directory or one iter_XXXXXXX in it"
@@ -189,37 +183,13 @@ def resolve_source(src: str) -> str:
 
 
 def checkpoint_format(path: str) -> str:
-    """``torch_dist``, ``fsdp_dtensor`` or ``unknown``: what our record says, else what the
-    files are (a DCP checkpoint that lost its ``.metadata`` is still one, by its ``.distcp``
-    files: never read as the other format)."""
-    recorded = record(path).get("format")
-    if recorded in ("torch_dist", "fsdp_dtensor"):
-        return recorded
-    found = stored_format(path)
-    if found == "unknown" and os.path.isdir(path) and any(n.endswith(".distcp") for n in os.listdir(path)):
-        return "fsdp_dtensor"
-    return found
+    """``torch_dist``, ``fsdp_dtensor`` or ``unknown``: the name of :func:`formats.detect`'s answer."""
+    found = formats.detect(path)
+    return found.name if found is not None else "unknown"
 
 
 def is_fsdp_dtensor(path: str) -> bool:
-    return checkpoint_format(path) == "fsdp_dtensor"
-
-
-@contextlib.contextmanager
-def collective_io() -> Iterator[None]:
-    """Megatron's checkpoint I/O, which is collective, from one process: a one-rank gloo group
-    (made once, its store in this process: no port, no ``MASTER_*`` variables set for the
-    caller) and, on a machine without a GPU, Megatron-core's CPU stand-ins in force inside the
-    block only (what a process installed before stays; reading a directory installs nothing
-    for the rest of the process)."""
-    import torch.distributed as dist
-
-    from .cpu import cpu_patches
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    with contextlib.nullcontext() if torch.cuda.is_available() else cpu_patches():
-        yield
+    return formats.detect(path) is FSDP_DTENSOR
 
 
 _OUR_KEYS = (STATE_PREFIX + "momentum_buffer.", "optimizer.muon.common")
@@ -276,136 +246,35 @@ def check_source(path: str, unverified: bool = False, items: Optional[Sequence[s
 # Reading (after check_source) and writing a whole checkpoint in memory
 # ---------------------------------------------------------------------------------------
 
-_SHARD = re.compile(r"^(?P<key>.+)/shard_(?P<offset>[\d.]+)_(?P<shape>[\d.]+)$")
-
-
-@dataclass
-class Checkpoint:
-    """A whole checkpoint in memory, in torch_dist's terms."""
-
-    tensors: Dict[str, torch.Tensor] = field(default_factory=dict)
-    objects: Dict[Tuple[str, Tuple[int, ...], Tuple[int, ...]], Any] = field(default_factory=dict)
-    """(key, global offset, global shape) -> object (e.g. layers' ``_extra_state``)."""
-    common: Dict[str, Any] = field(default_factory=dict)
-    group_meta: Dict[str, Dict[str, Any]] = field(default_factory=dict)
-    """Read from an fsdp_dtensor checkpoint: parameter name -> its optimizer group's settings."""
-
 
 def checkpoint_iteration(common: Dict[str, Any]) -> int:
     """The training iteration a checkpoint was saved at (Megatron-LM's ``iteration``)."""
     return int(common.get("iteration", common.get("extra", {}).get("iteration", 0)) or 0)
 
 
+def format_of(path: str) -> CheckpointFormat:
+    """The format of the checkpoint directory ``path`` (``formats.detect``), torch_dist,
+    Megatron-core's default, when its files say neither."""
+    return formats.detect(path) or formats.default()
+
+
 def read_common(path: str) -> Dict[str, Any]:
-    """The common (non-tensor) state of the checkpoint ``path`` in either format, without
+    """The common (non-tensor) state of the checkpoint ``path`` in its format, without
     reading a tensor (fsdp_dtensor: iteration, arguments and the optimizer's common state).
     Needs no process group (a rank reads it at start-up, before it joins its job)."""
-    if is_fsdp_dtensor(path):
-        return fsdp_common(path)
-    from megatron_muon.checkpoint.training_state import read_common as torch_dist_common
-
-    return torch_dist_common(path)
+    return format_of(path).read_common(path)
 
 
 def read_checkpoint(path: str) -> Checkpoint:
     """Every tensor (full global shape), sharded object and the common state of the
     torch_dist checkpoint ``path`` (verify it first: :func:`check_source`)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    with collective_io():
-        metadata = read_dcp_metadata(path)
-        request: Dict[str, Any] = {}
-        for key, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                request[key] = ShardedTensor.from_rank_offsets(
-                    key, torch.empty(md.size, dtype=md.properties.dtype), replica_id=0
-                )
-            elif key.startswith("common_state"):
-                continue
-            else:
-                m = _SHARD.match(key)
-                if m is None:
-                    continue
-                offset = tuple(int(x) for x in m["offset"].split("."))
-                shape = tuple(int(x) for x in m["shape"].split("."))
-                request[key] = ShardedObject(m["key"], None, shape, offset, replica_id=0)
-        try:
-            with restricted_reading():
-                loaded = dist_checkpointing.load(request, path)
-        except (ReadStopped, *READ_ERRORS) as e:
-            raise checkpoint_error_in(e) or CheckpointError(
-                f"{path} could not be read (truncated or corrupt?): {e}"
-            ) from e
-        ckpt = Checkpoint(common=read_common(path))
-        for key, req in request.items():
-            if isinstance(req, ShardedTensor):
-                ckpt.tensors[key] = loaded[key]
-            else:
-                ckpt.objects[(req.key, req.global_offset, req.global_shape)] = loaded[key]
-        return ckpt
+    return TORCH_DIST.read(path, SUPPORT)
 
 
 def write_checkpoint(path: str, ckpt: Checkpoint) -> None:
     """Write ``ckpt`` as a torch_dist checkpoint into the empty directory ``path`` (a
     staging directory of :func:`publish_iteration`, which adds the manifest)."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-
-    with collective_io():
-        state: Dict[str, Any] = dict(ckpt.common)
-        state["__tensors__"] = {
-            key: ShardedTensor.from_rank_offsets(key, t.contiguous(), replica_id=0) for key, t in ckpt.tensors.items()
-        }
-        state["__objects__"] = {
-            f"{key}/{offset}": ShardedObject(key, value, shape, offset, replica_id=0)
-            for (key, offset, shape), value in ckpt.objects.items()
-        }
-        dist_checkpointing.save(state, path)
-
-
-COMMON = "optimizer.muon.common"
-GROUP_META = "optimizer.param_to_group_meta."
-
-
-def load_dcp(path: str, wanted: Callable[[str], bool] = lambda key: True) -> Dict[str, Any]:
-    """The tensors (whole) and objects of the DCP checkpoint ``path`` whose keys are
-    ``wanted``, by DCP key (verify it first: :func:`check_source`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    state = {
-        key: torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-        for key, md in read_dcp_metadata(path).state_dict_metadata.items()
-        if wanted(key)
-    }
-    try:
-        with restricted_reading():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    except (ReadStopped, *READ_ERRORS) as e:
-        raise checkpoint_error_in(e) or CheckpointError(
-            f"{path} could not be read as an fsdp_dtensor checkpoint: {e}"
-        ) from e
-    return state
-
-
-def fsdp_common(path: str) -> Dict[str, Any]:
-    """The common state of the fsdp_dtensor checkpoint ``path`` as :func:`read_common` gives a
-    torch_dist one's: iteration, arguments, checkpoint version (which of the arguments
-    Megatron-LM's ``check_checkpoint_args`` compares) and the optimizer's (ours, or Megatron's
-    AdamW marked as such), without reading a tensor."""
-    from megatron_muon.checkpoint.fsdp_dtensor import CommonState
-
-    scalars = ("iteration", "args", "checkpoint_version")
-    with bounded(f"the common state of {path}"):
-        state = load_dcp(path, lambda key: key in (*scalars, COMMON) or key.startswith(GROUP_META))
-    common = {k: v for k, v in state.items() if k in scalars}
-    if isinstance(state.get(COMMON), CommonState):
-        common["optimizer"] = state[COMMON].value
-    elif any(k.startswith(GROUP_META) for k in state):
-        common["optimizer"] = {"param_state_sharding_type": "fsdp_dtensor"}
-    return common
+    TORCH_DIST.write(path, ckpt, SUPPORT)
 
 
 # ---------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ Megatron-LM") says where each hooks in; ``patches.CHECKPOINTS`` declares them, a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any, Callable, Optional, Tuple
@@ -31,7 +32,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch.distributed as dist
 
 from megatron_muon import patching
-from megatron_muon.checkpoint import save_lock
+from megatron_muon.checkpoint import formats, save_lock
 from megatron_muon.checkpoint.errors import CheckpointError, checkpoint_error_in
 from megatron_muon.checkpoint.integrity import (
     MANIFEST,
@@ -42,20 +43,14 @@ from megatron_muon.checkpoint.integrity import (
     verify_manifest,
     write_atomically,
 )
-from megatron_muon.checkpoint.optimizer_state import (
-    keep_states,
-    optimizer_kind,
-    requested_keys,
-    saved_keys,
-    states_to_load,
-)
+from megatron_muon.checkpoint.optimizer_state import optimizer_kind, saved_keys, states_to_load
 from megatron_muon.checkpoint.publish import agreed, disk_full, on_rank0, os_error_code, publish, write_failure
 from megatron_muon.checkpoint.reading import regular_files_only
+from megatron_muon.checkpoint.torch_dist import keep_states, requested_keys
 
 from .checkpoint_dirs import (
     COMMON_ITEMS,
     TRACKER,
-    checkpoint_format,
     read_tracker,
     remove_leftovers,
     resume_iteration,
@@ -85,8 +80,9 @@ class CheckpointGuards:
         """Set while ``load_checkpoint`` loads the iteration chosen in place of the tracker's."""
         self.first_read = True
         """Whether Megatron-LM's read in progress is its first of the directory (the common state)."""
-        self.fsdp_dtensor_dir: Optional[str] = None
-        """The fsdp_dtensor directory the read in progress verified."""
+        self.dcp_load_dir: Optional[str] = None
+        """The directory of a format Megatron-LM reads with DCP alone (fsdp_dtensor) that the
+        read in progress verified."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,9 +185,9 @@ def _wrap_save_checkpoint(original: Callable, context: Any) -> Callable:
 
         margs = get_args()
         try:
-            if margs.ckpt_format != "fsdp_dtensor":
-                return original(*args, **kwargs)
-            with patching.scoped(DCP_SAVE_SCOPE, guards):
+            written = formats.named(margs.ckpt_format)
+            dcp_only = written is not None and written.megatron_dcp_only
+            with patching.scoped(DCP_SAVE_SCOPE, guards) if dcp_only else contextlib.nullcontext():
                 return original(*args, **kwargs)
         except CheckpointError:
             raise
@@ -414,9 +410,9 @@ def _wrap_load_base_checkpoint(original: Callable, context: Any) -> Callable:
     guards = context.checkpoint_guards
 
     def load_base_checkpoint(load_dir, args, rank0=False, *rest, **kw):
-        guards.first_read, guards.fsdp_dtensor_dir = bool(rank0), None
+        guards.first_read, guards.dcp_load_dir = bool(rank0), None
         out = original(load_dir, args, rank0, *rest, **kw)
-        checkpoint_dir, guards.fsdp_dtensor_dir = guards.fsdp_dtensor_dir, None
+        checkpoint_dir, guards.dcp_load_dir = guards.dcp_load_dir, None
         if checkpoint_dir is not None and dist.is_initialized():
             if rank0:
                 check_padded_vocabulary(out[0], checkpoint_dir)
@@ -435,15 +431,17 @@ def _wrap_get_checkpoint_format(original: Callable, context: Any) -> Callable:
     guards = context.checkpoint_guards
 
     def get_checkpoint_format(checkpoint_name, *args, **kwargs):
-        fsdp = checkpoint_format(str(checkpoint_name)) == "fsdp_dtensor"
-        if fsdp:
+        found = formats.detect(str(checkpoint_name))
+        verified = found is not None and found.megatron_dcp_only
+        if verified:
             verify_before_read(str(checkpoint_name), first_read=guards.first_read, guards=guards)
-        ckpt_format = original(checkpoint_name, *args, **kwargs)
-        if ckpt_format == "fsdp_dtensor":
-            if not fsdp:
+        said = original(checkpoint_name, *args, **kwargs)
+        told = formats.named(said)
+        if told is not None and told.megatron_dcp_only:
+            if not verified:
                 verify_before_read(str(checkpoint_name), first_read=guards.first_read, guards=guards)
-            guards.fsdp_dtensor_dir = str(checkpoint_name)
-        return ckpt_format
+            guards.dcp_load_dir = str(checkpoint_name)
+        return said
 
     get_checkpoint_format.__wrapped__ = original  # type: ignore[attr-defined]
     return get_checkpoint_format
@@ -497,8 +495,8 @@ def _wrap_preprocess(original: Callable, context: Any) -> Callable:
 
     def preprocess_fsdp_dtensor_state_dict(args, raw_state_dict, model):
         state_dict = preprocess_state_dict(args, raw_state_dict, model)
-        if guards.fsdp_dtensor_dir is not None:  # set while a load reads that directory
-            state_dict = check_holds_state(state_dict, guards.fsdp_dtensor_dir)
+        if guards.dcp_load_dir is not None:  # set while a load reads that directory
+            state_dict = check_holds_state(state_dict, guards.dcp_load_dir)
         return state_dict
 
     preprocess_fsdp_dtensor_state_dict.__wrapped__ = original  # type: ignore[attr-defined]

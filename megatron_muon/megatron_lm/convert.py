@@ -6,10 +6,11 @@ global shape, transformed by key, and written back with Megatron's own
 ``dist_checkpointing.save``, so the result loads into any parallel layout. An AdamW
 source in Megatron-LM's default optimizer format (DDP buckets, not parameters) is first
 re-saved fully reshardable by Megatron-LM itself, with the run's own arguments
-(:mod:`.resave`). Megatron-FSDP's fsdp_dtensor checkpoints are read into and written from
-the same in-memory form by :mod:`.convert_fsdp` (which builds the model on the meta device
-to learn torch_dist's layout), so ``adam-to-muon`` / ``muon-to-adam`` take either format
-and ``to-torch-dist`` / ``to-fsdp-dtensor`` move a Muon run between them.
+(:mod:`.resave`). Each checkpoint format reads into and writes from the same in-memory
+form (``checkpoint.formats``; fsdp_dtensor's with the model layout Megatron-LM builds,
+:mod:`.converter_support`), so ``adam-to-muon`` / ``muon-to-adam`` take any format and
+write it back in the same one, and ``to-torch-dist`` / ``to-fsdp-dtensor`` move a Muon
+run between them.
 
 Megatron-LM's layout on both sides: the source is a checkpoint directory (``--save`` of
 ``tools/pretrain_gpt.py``, whose ``latest_checkpointed_iteration.txt`` names the iteration)
@@ -48,7 +49,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 
 from megatron_muon import state as registry
+from megatron_muon.checkpoint import formats
 from megatron_muon.checkpoint.errors import CheckpointError
+from megatron_muon.checkpoint.format import CheckpointFormat
 from megatron_muon.checkpoint.optimizer_state import (
     STATE_PREFIX,
     common_state,
@@ -69,23 +72,23 @@ from .checkpoint_dirs import (
     check_paths,
     check_source,
     checkpoint_iteration,
-    is_fsdp_dtensor,
+    format_of,
     iteration_dir_name,
     owned,
     publish_iteration,
     read_checkpoint,
     read_common,
     resolve_source,
-    write_checkpoint,
 )
+from .converter_support import SUPPORT
+
+MOVES: Dict[str, CheckpointFormat] = {f.convert_command: f for f in formats.FORMATS.values()}
+"""The converter's commands that move a Muon run into a format (``to-torch-dist``...)."""
 
 
-def _write(fsdp: bool, ckpt: Checkpoint) -> Callable[[str], None]:
-    """What writes ``ckpt`` into a staging directory, in the format of its source."""
-    from .convert_fsdp import write_fsdp_dtensor
-
-    writer = write_fsdp_dtensor if fsdp else write_checkpoint
-    return lambda staging: writer(staging, ckpt)
+def _write(fmt: CheckpointFormat, ckpt: Checkpoint) -> Callable[[str], None]:
+    """What writes ``ckpt`` into a staging directory in the format ``fmt``."""
+    return lambda staging: fmt.write(staging, ckpt, SUPPORT)
 
 
 def _retarget_args(ckpt: Checkpoint, optimizer: str) -> None:
@@ -141,12 +144,10 @@ def adam_to_muon(
     Weights and fp32 masters are kept; Muon matrices get a ``momentum_buffer`` (zeros, or
     ``exp_avg`` with ``momentum='exp_avg'``) instead of their AdamW moments (the registry's
     optional states start at zero); the scalar parameters keep their AdamW state."""
-    from .convert_fsdp import read_fsdp_dtensor
-
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
-    fsdp = is_fsdp_dtensor(source)
+    fmt = format_of(source)
     common = read_common(source)
     iteration = checkpoint_iteration(common)
     opt_common = common.get("optimizer", {})
@@ -156,12 +157,10 @@ def adam_to_muon(
         raise CheckpointError(f"{source} holds no Megatron distributed-optimizer state (saved with --no-save-optim?)")
     with owned(dst, "tools/convert_checkpoint.py adam-to-muon") as (into, lock):
         check_destination(into, iteration, overwrite)
-        if fsdp:  # Megatron-FSDP's format is parameter by parameter already
-            ckpt = read_fsdp_dtensor(source, adam=True)
-        elif all(part["param_state_sharding_type"] == "fully_reshardable" for part in megatron_parts(opt_common)):
-            ckpt = read_checkpoint(source)
-        else:  # Megatron-LM's default (DDP buckets): Megatron-LM re-saves it parameter by parameter
+        if fmt.adam_needs_resave(opt_common):  # Megatron-LM re-saves it parameter by parameter
             ckpt = _read_resaved(source, iteration, common, into)
+        else:
+            ckpt = fmt.read(source, SUPPORT, adam=True)
         # One optimizer, or with expert parallelism Megatron's chain of the dense and the expert one.
         parts = megatron_parts(ckpt.common.get("optimizer", {}))
         part_groups = [part.get("optimizer", {}).get("param_groups", []) for part in parts]
@@ -187,7 +186,7 @@ def adam_to_muon(
         }
         ckpt.common["optimizer"] = dict(common_state(step, optimizers, {}), converted_from="megatron_adam")
         _retarget_args(ckpt, "muon")
-        publish_iteration(into, iteration, _write(fsdp, ckpt), lock, verified)
+        publish_iteration(into, iteration, _write(fmt, ckpt), lock, verified)
     written = os.path.join(dst, iteration_dir_name(iteration))
     return {"muon_matrices": converted, "scalar": len(model_keys(ckpt)) - converted, "step": step, "wrote": written}
 
@@ -240,12 +239,10 @@ def muon_to_adam(
     ``exp_avg='momentum'`` (Muon's momentum is a plain sum, AdamW's an average);
     ``exp_avg_sq`` is zero (printed as a warning: AdamW's first steps then take
     sign-like updates of size lr). Every other state of the registry is dropped."""
-    from .convert_fsdp import read_fsdp_dtensor
-
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
-    fsdp = is_fsdp_dtensor(source)
+    fmt = format_of(source)
     common = read_common(source)
     iteration = checkpoint_iteration(common)
     if optimizer_kind(common.get("optimizer")) == "megatron":
@@ -255,7 +252,7 @@ def muon_to_adam(
     require_ours(common.get("optimizer"), source)
     with owned(dst, "tools/convert_checkpoint.py muon-to-adam") as (into, lock):
         check_destination(into, iteration, overwrite)
-        ckpt = read_fsdp_dtensor(source) if fsdp else read_checkpoint(source)
+        ckpt = fmt.read(source, SUPPORT)
         opt_common = ckpt.common.get("optimizer", {})
         converted = 0
         for key in model_keys(ckpt):
@@ -299,7 +296,7 @@ def muon_to_adam(
                 ckpt.common["content_metadata"], distrib_optim_sharding_type="fully_reshardable"
             )
         _retarget_args(ckpt, "adam")
-        publish_iteration(into, iteration, _write(fsdp, ckpt), lock, verified)
+        publish_iteration(into, iteration, _write(fmt, ckpt), lock, verified)
     written = os.path.join(dst, iteration_dir_name(iteration))
     return {"converted": converted, "step": step, "wrote": written}
 
@@ -312,15 +309,14 @@ def inspect(path: str) -> str:
     path = resolve_source(path)
     verified = check_source(path, unverified=True)
     metadata = read_dcp_metadata(path)
-    fsdp = is_fsdp_dtensor(path)
+    fmt = format_of(path)
     common = read_common(path)
     opt = common.get("optimizer", {}) if isinstance(common.get("optimizer"), dict) else {}
     kinds = {"megatron_muon": "muon", "megatron": f"megatron {opt.get('param_state_sharding_type', 'chained')}"}
     kind = kinds.get(optimizer_kind(opt), "model only")
     lines = [
         f"checkpoint: {path}",
-        f"format: {'fsdp_dtensor' if fsdp else 'torch_dist'}, "
-        + ("verified against its manifest" if verified else "UNVERIFIED (no manifest)"),
+        f"format: {fmt.name}, " + ("verified against its manifest" if verified else "UNVERIFIED (no manifest)"),
         f"optimizer: {kind}",
     ]
     if "iteration" in common:
@@ -346,7 +342,7 @@ def inspect(path: str) -> str:
         total += numel * md.properties.dtype.itemsize
         group = "model"
         if key.startswith(STATE_PREFIX):
-            group = key.rsplit(".", 1)[1] if fsdp else key.split(".")[2]
+            group = fmt.state_of_key(key)
         by_state[group] = by_state.get(group, 0) + numel
     lines.append(f"tensors: {len(tensors)}, {total / 2**20:.1f} MiB")
     for group, numel in sorted(by_state.items()):
@@ -358,24 +354,22 @@ def inspect(path: str) -> str:
 
 
 def change_format(src: str, dst: str, to: str, overwrite: bool = False, unverified_source: bool = False) -> Dict:
-    """``to-fsdp-dtensor`` / ``to-torch-dist``: the Muon checkpoint ``src`` in the other
-    format (``convert_fsdp``), published as ``dst``'s iteration."""
-    from .convert_fsdp import read_fsdp_dtensor
-
+    """``to-fsdp-dtensor`` / ``to-torch-dist``: the Muon checkpoint ``src`` in the format
+    named ``to`` (read by its own format, written by that one), published as ``dst``'s iteration."""
     check_paths(src, dst)
     source = resolve_source(src)
     verified = check_source(source, unverified_source)
-    to_fsdp = to == "fsdp_dtensor"
-    if is_fsdp_dtensor(source) == to_fsdp:
+    held, target = format_of(source), formats.named(to)
+    if held is target:
         raise CheckpointError(f"{source} is an {to} checkpoint already")
     common = read_common(source)
     if optimizer_kind(common.get("optimizer")) != "megatron_muon":
         raise CheckpointError(f"{source} holds no Muon optimizer state of megatron_muon: adam-to-muon first")
     iteration = checkpoint_iteration(common)
-    with owned(dst, f"tools/convert_checkpoint.py to-{to.replace('_', '-')}") as (into, lock):
+    with owned(dst, f"tools/convert_checkpoint.py {target.convert_command}") as (into, lock):
         check_destination(into, iteration, overwrite)
-        ckpt = read_checkpoint(source) if to_fsdp else read_fsdp_dtensor(source)
-        publish_iteration(into, iteration, _write(to_fsdp, ckpt), lock, verified)
+        ckpt = held.read(source, SUPPORT)
+        publish_iteration(into, iteration, _write(target, ckpt), lock, verified)
     written = os.path.join(dst, iteration_dir_name(iteration))
     return {"tensors": len(ckpt.tensors), "iteration": iteration, "wrote": written}
 
@@ -508,11 +502,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     exp.add_argument("--to", choices=("sequential", "legacy_grouped"), required=True)
     exp.add_argument("--num-experts", type=int, default=None, help="local experts per fused tensor")
     exp.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
-    for name, what in (
-        ("to-fsdp-dtensor", "torch_dist -> fsdp_dtensor"),
-        ("to-torch-dist", "fsdp_dtensor -> torch_dist"),
-    ):
-        fmt = sub.add_parser(name, help=f"a Muon checkpoint, {what} (DistributedOptimizer <-> Megatron-FSDP)")
+    for name, target in MOVES.items():
+        fmt = sub.add_parser(
+            name, help=f"a Muon checkpoint, into {target.name} (DistributedOptimizer <-> Megatron-FSDP)"
+        )
         fmt.add_argument("src")
         fmt.add_argument("dst")
         fmt.add_argument("--overwrite", action="store_true", help="replace DST's iteration if it exists")
@@ -535,9 +528,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             )
         elif args.command == "muon-to-adam":
             print(muon_to_adam(args.src, args.dst, args.exp_avg, args.beta1, args.overwrite, args.unverified_source))
-        elif args.command in ("to-fsdp-dtensor", "to-torch-dist"):
-            to = args.command[len("to-") :].replace("-", "_")
-            print(change_format(args.src, args.dst, to, args.overwrite, args.unverified_source))
+        elif args.command in MOVES:
+            print(change_format(args.src, args.dst, MOVES[args.command].name, args.overwrite, args.unverified_source))
         elif args.command == "experts":
             convert_experts_file(args.src, args.dst, args.to, args.num_experts, args.overwrite)
             print(f"wrote {args.dst}")

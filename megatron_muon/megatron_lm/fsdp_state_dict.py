@@ -18,11 +18,8 @@ from typing import Any, Dict, Tuple
 import torch
 
 from megatron_muon.checkpoint.errors import CheckpointError
-from megatron_muon.checkpoint.fsdp_dtensor import strip_wrappers
+from megatron_muon.checkpoint.fsdp_dtensor import GLU_HALVES, strip_wrappers
 from megatron_muon.state import ADAM_STATES
-
-GLU_HALVES = ("_w", "_v")
-"""Suffixes of the gate and up halves of a GLU ``linear_fc1`` (Megatron-LM's)."""
 
 
 def glu_parameters(model: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:

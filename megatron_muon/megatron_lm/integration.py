@@ -33,6 +33,8 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from megatron_muon import patching
+from megatron_muon.checkpoint import formats
+from megatron_muon.checkpoint.format import CheckpointFormat
 from megatron_muon.config import SCALAR_OPTIMIZERS, SCALE_MODES, TP_MODES, MuonConfig
 from megatron_muon.factory import get_muon_optimizer
 from megatron_muon.storage import DistributedOptimizerStorage, MegatronFSDPStorage
@@ -178,7 +180,7 @@ def _storage(args: argparse.Namespace) -> type:
     return MegatronFSDPStorage if getattr(args, "use_megatron_fsdp", False) else DistributedOptimizerStorage
 
 
-def _checkpoint_format(args: argparse.Namespace) -> str:
+def _checkpoint_format(args: argparse.Namespace) -> CheckpointFormat:
     """The one checkpoint format of a run: its storage backend's (fsdp_dtensor on
     Megatron-FSDP, else torch_dist)."""
     return _storage(args).checkpoint_format
@@ -217,6 +219,8 @@ def check_supported(args: argparse.Namespace) -> None:
         )
     for refusal in refusals(settings_from_args(args), _storage(args)):
         raise ValueError(f"{WHO}: {refusal}.")
+    runs = _checkpoint_format(args)
+    asked = formats.named(getattr(args, "ckpt_format", None))
     problems = [
         (
             on("use_torch_fsdp2"),
@@ -224,16 +228,13 @@ def check_supported(args: argparse.Namespace) -> None:
         ),
         (on("dump_param_to_param_group_map", None) is not None, NO_PARAM_GROUP_MAP),
         (
-            any(on(k, None) for k in ("save", "load", "pretrained_checkpoint"))
-            and on("ckpt_format", "torch_dist") != _checkpoint_format(args),
-            f"saves and loads only --ckpt-format {_checkpoint_format(args)} "
-            f"{'with' if on('use_megatron_fsdp') else 'without'} --use-megatron-fsdp "
-            f"(got {on('ckpt_format', None)!r}): use it",
+            any(on(k, None) for k in ("save", "load", "pretrained_checkpoint")) and not runs.requested_by(args),
+            f"saves and loads only --ckpt-format {runs.name} {runs.engine} (got {on('ckpt_format', None)!r}): use it",
         ),
         (
-            on("async_save") and on("ckpt_format", None) == "fsdp_dtensor",
-            "saves fsdp_dtensor checkpoints synchronously only (the async writer bypasses the staging directory "
-            "and manifest): drop --async-save",
+            on("async_save") and asked is not None and not asked.async_save,
+            f"saves {on('ckpt_format', None)} checkpoints synchronously only (the async writer bypasses the staging "
+            "directory and manifest): drop --async-save",
         ),
         (
             on("async_save") and not _on_a_gpu(),

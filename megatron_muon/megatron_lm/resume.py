@@ -20,7 +20,7 @@ from megatron_muon.checkpoint.errors import CheckpointError, UnsafeCheckpointErr
 from megatron_muon.checkpoint.integrity import has_manifest
 from megatron_muon.checkpoint.optimizer_state import optimizer_kind
 
-from .checkpoint_dirs import COMMON_ITEMS, check_source, is_fsdp_dtensor, iteration_dir_name, read_common, read_tracker
+from .checkpoint_dirs import COMMON_ITEMS, check_source, format_of, iteration_dir_name, read_common, read_tracker
 
 
 def _iteration_to_load(args: argparse.Namespace) -> Optional[Tuple[int, str]]:
@@ -42,21 +42,19 @@ def check_checkpoint_format(args: argparse.Namespace) -> None:
     """``--optimizer muon --load`` of a checkpoint in the other format than the run's (an
     fsdp_dtensor one without ``--use-megatron-fsdp``, a torch_dist one with it) stops here,
     nothing built, with the converter command that moves it."""
-    from .integration import _ours
+    from .integration import _checkpoint_format, _ours
 
     found = _iteration_to_load(args) if args.load and _ours(args) else None
     if found is None:
         return
-    fsdp = is_fsdp_dtensor(found[1])
-    if fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
+    held, runs = format_of(found[1]), _checkpoint_format(args)
+    if held is runs:
         return
     src = args.load.rstrip("/")
-    dst = f"{src}_{'torch_dist' if fsdp else 'fsdp'}"
+    dst = f"{src}_{runs.converted_suffix}"
     source = found[1] if args.ckpt_step is not None else src
-    command = f"python tools/convert_checkpoint.py {'to-torch-dist' if fsdp else 'to-fsdp-dtensor'} {source} {dst}"
-    what = "an fsdp_dtensor (Megatron-FSDP)" if fsdp else "a torch_dist (DistributedOptimizer)"
-    flag = "is without" if fsdp else "uses"
-    raise ValueError(f"--load {args.load} holds {what} checkpoint but this run {flag} --use-megatron-fsdp: "
+    command = f"python tools/convert_checkpoint.py {runs.convert_command} {source} {dst}"
+    raise ValueError(f"--load {args.load} holds {held.described} checkpoint but this run is {runs.engine}: "
                      f"move it with `{command}`, then --load {dst}")  # fmt: skip
 
 

@@ -20,8 +20,8 @@ builds the optimizer:
   (:meth:`start_param_sync`); with ``muon_step_overlap='forward'``, the units the sync
   brings up to date one at a time, and before each the pending step's work on its
   parameters (:meth:`param_sync_units`, :meth:`hook_param_sync`);
-* the checkpoint format it writes (:attr:`checkpoint_format`, :meth:`sharded_state_dict`,
-  :meth:`load_state_dict`) and Megatron's parameter names in it (:meth:`param_name`).
+* the checkpoint format it writes (:attr:`checkpoint_format`, which :meth:`sharded_state_dict`
+  and :meth:`load_state_dict` ask) and Megatron's parameter names in it (:meth:`param_name`).
 
 A new engine is one new module with a subclass, added to ``storage.ENGINES``.
 """
@@ -33,6 +33,7 @@ from typing import Any, ClassVar, Collection, Dict, FrozenSet, List, Optional, S
 import torch
 import torch.distributed as dist
 
+from ..checkpoint.format import CheckpointFormat
 from ..shard_map import ShardMap
 from ..support import Settings, step_overlap_cannot_run
 
@@ -41,8 +42,9 @@ class StorageBackend:
     """One data-parallel engine's storage, for one ``MuonDistributedOptimizer`` (``opt``, which
     holds this backend)."""
 
-    checkpoint_format: ClassVar[str]
-    """Megatron's ``--ckpt-format`` of the optimizer state this backend writes."""
+    checkpoint_format: ClassVar[CheckpointFormat]
+    """The checkpoint format this engine's runs write (``checkpoint.formats``), which saves
+    and loads the optimizer's state."""
 
     # ------------------------------------------------------------------ before the optimizer
     @classmethod
@@ -168,8 +170,8 @@ class StorageBackend:
 
     def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
         """The chained optimizer's state in :attr:`checkpoint_format`."""
-        raise NotImplementedError
+        return self.checkpoint_format.sharded_state_dict(chain, model_sharded_state_dict, is_loading, metadata)
 
     def load_state_dict(self, chain, state_dict: Dict[str, Any]) -> None:
         """Load what the checkpoint returned for :meth:`sharded_state_dict`."""
-        raise NotImplementedError
+        self.checkpoint_format.load_state_dict(chain, state_dict)

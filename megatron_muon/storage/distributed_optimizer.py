@@ -24,7 +24,7 @@ import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from ..buffer_layout import is_owner_aligned, prefetch_param_gathers_in_forward_order
-from ..checkpoint.optimizer_state import load_optimizer_state, optimizer_sharded_state
+from ..checkpoint.torch_dist import TORCH_DIST
 from ..shard_map import ParamShard, ShardMap, dp_ranges_in_layout
 from ..timers import megatron_timer
 from .backend import StorageBackend
@@ -51,7 +51,7 @@ class PendingStepFirst:
 class DistributedOptimizerStorage(StorageBackend):
     """Megatron's DDP buffers and distributed-optimizer masters (``--use-distributed-optimizer``)."""
 
-    checkpoint_format = "torch_dist"
+    checkpoint_format = TORCH_DIST
 
     @classmethod
     def wraps(cls, chunk: torch.nn.Module) -> bool:
@@ -234,9 +234,3 @@ class DistributedOptimizerStorage(StorageBackend):
 
     def param_name(self, param: torch.nn.Parameter) -> str:
         return self.engine._param_name(param)
-
-    def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
-        return optimizer_sharded_state(chain, model_sharded_state_dict, is_loading)
-
-    def load_state_dict(self, chain, state_dict: Dict[str, Any]) -> None:
-        load_optimizer_state(chain, state_dict)

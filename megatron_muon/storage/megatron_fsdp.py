@@ -28,7 +28,7 @@ from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..checkpoint import fsdp_dtensor
+from ..checkpoint.fsdp_dtensor import FSDP_DTENSOR
 from ..megatron_fsdp_fix import SINGLE_RANK_GROUPS as SINGLE_RANK_GROUPS  # the defect's fix, here for callers
 from ..megatron_fsdp_fix import (
     fix_gradient_accumulation_on_single_rank_groups as fix_gradient_accumulation_on_single_rank_groups,
@@ -167,7 +167,7 @@ class MegatronFSDPStorage(StorageBackend):
     optimizer are the fp32 masters (this rank's main-weight shard), their ``.grad`` the
     main-grad shard (``--use-megatron-fsdp``)."""
 
-    checkpoint_format = "fsdp_dtensor"
+    checkpoint_format = FSDP_DTENSOR
 
     @classmethod
     def step_overlap_refusal(cls, ddp_settings: Sequence[Any]) -> Optional[str]:
@@ -309,19 +309,6 @@ class MegatronFSDPStorage(StorageBackend):
             named = handle_experts_in_state_dict(named, self.opt.model_chunks[0].config.num_moe_experts)
             self._param_names = {p: n for n, p in named.items()}
         return self._param_names[param]
-
-    def sharded_state_dict(self, chain, model_sharded_state_dict, is_loading: bool, metadata) -> Dict[str, Any]:
-        sharding = (metadata or {}).get("distrib_optim_sharding_type")
-        if sharding != "fsdp_dtensor":
-            raise NotImplementedError(
-                "megatron_muon saves its state on Megatron-FSDP only as an fsdp_dtensor checkpoint "
-                f"(metadata distrib_optim_sharding_type='fsdp_dtensor', got {sharding!r}; Megatron-LM: "
-                "--ckpt-format fsdp_dtensor)."
-            )
-        return fsdp_dtensor.optimizer_state(chain, is_loading)
-
-    def load_state_dict(self, chain, state_dict: Dict[str, Any]) -> None:
-        fsdp_dtensor.load_optimizer_state(chain, state_dict)
 
 
 # --------------------------------------------------------------------------------------

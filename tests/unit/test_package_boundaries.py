@@ -16,6 +16,7 @@ the source with ``ast``: nothing is imported or run.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Iterator, Tuple
 
@@ -219,3 +220,90 @@ def test_the_step_check_sees_an_import_through_another_module(tmp_path):
     (pkg / "state.py").write_text("from .pipeline import exchange\n")
     (pkg / "checkpoint" / "a.py").write_text("def f():\n    from ..state import x\n")
     assert step_imports_of_checkpoints(pkg) == ["megatron_muon.checkpoint.a -> megatron_muon.pipeline"]
+
+
+# ---------------------------------------------------------------------------------------
+# The Megatron-LM glue asks a checkpoint format; it does not branch on which one runs
+# ---------------------------------------------------------------------------------------
+
+FORMAT_WORDS = re.compile(r"fsdp|ckpt_format|torch_dist")
+"""What a condition that branches on the checkpoint format (or on the engine that writes it)
+mentions: a name, an attribute or a string such as ``use_megatron_fsdp``, ``ckpt_format``,
+``"fsdp_dtensor"``, ``"to-torch-dist"`` (text inside an f-string aside: a message)."""
+CHOOSES_THE_FORMAT = "megatron_muon/megatron_lm/integration.py:_storage"
+"""The one place that chooses a run's storage backend from Megatron-LM's arguments, and with
+it the checkpoint format the backend holds (``StorageBackend.checkpoint_format``)."""
+ENGINE_FLAGS = {
+    "megatron_muon/megatron_lm/integration.py:settings_from_args": "Megatron-FSDP's own dtype flag, mapped "
+    "as Megatron-LM's validation maps it",
+    "megatron_muon/megatron_lm/cpu.py:validate_args": "CUDA_DEVICE_MAX_CONNECTIONS as Megatron-LM's validation "
+    "wants it under either FSDP engine",
+}
+"""Branches on a data-parallel engine's own flags, not on a checkpoint format: each named, so
+that a new one has to be argued here."""
+
+
+def _mentions_a_format(test: ast.AST) -> bool:
+    messages = {id(v) for n in ast.walk(test) if isinstance(n, ast.JoinedStr) for v in n.values}
+    for node in ast.walk(test):
+        word = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in messages:
+            word = node.value
+        if word is not None and FORMAT_WORDS.search(word):
+            return True
+    return False
+
+
+def format_branches(path: Path, root: Path = REPO) -> list:
+    """``(path:function, condition)`` of every ``if``, ``while``, ternary, boolean operation
+    or comprehension filter in ``path`` whose condition mentions a checkpoint format (the
+    outermost such condition only: ``a and b`` is one branch, not three)."""
+    found, counted = [], set()
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        tests = []
+        if isinstance(node, (ast.If, ast.IfExp, ast.While)):
+            tests = [node.test]
+        elif isinstance(node, ast.BoolOp):
+            tests = [node]
+        elif isinstance(node, ast.comprehension):
+            tests = list(node.ifs)
+        for test in tests:
+            if id(test) not in counted and _mentions_a_format(test):
+                counted.update(id(n) for n in ast.walk(test))
+                found.append((f"{path.relative_to(root)}:{function}", f"{test.lineno}: {ast.unparse(test)}"))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(ast.parse(path.read_text(), str(path)), "<module>")
+    return found
+
+
+def test_the_megatron_lm_glue_asks_the_checkpoint_format():
+    """Every branch on a checkpoint format in ``megatron_lm/`` is a call on the format object
+    (``checkpoint.formats``), except where a run's format is chosen (:data:`CHOOSES_THE_FORMAT`)."""
+    branches = [b for path in sorted((PACKAGE / "megatron_lm").glob("*.py")) for b in format_branches(path)]
+    places = {place for place, _ in branches}
+    assert CHOOSES_THE_FORMAT in places  # the check sees the one it allows
+    others = [
+        f"{place}:{line}" for place, line in branches if place != CHOOSES_THE_FORMAT and place not in ENGINE_FLAGS
+    ]
+    assert not others, "\n".join(others)
+
+
+def test_the_format_branch_check_sees_ifs_ternaries_and_boolean_tests(tmp_path):
+    source = (
+        "def f(args, fsdp):\n"
+        "    if args.ckpt_format == 'x':\n"
+        "        pass\n"
+        "    y = 'a' if fsdp else 'b'\n"
+        "    z = args.save and getattr(args, 'use_megatron_fsdp', False)\n"
+        "    w = [k for k in args if k == 'torch_dist']\n"
+        "    raise ValueError(f'not fsdp_dtensor: {args.save}') if args.save else None\n"
+    )
+    (tmp_path / "glue.py").write_text(source)
+    found = format_branches(tmp_path / "glue.py", tmp_path)
+    assert [line.split(":")[0] for _, line in found] == ["2", "4", "5", "6"]
+    assert {place for place, _ in found} == {"glue.py:f"}

@@ -29,7 +29,7 @@ def test_the_chunks_choose_their_backend_and_a_mix_is_refused():
         storage_for([_ddp_chunk(), _fsdp_chunk()])
     with pytest.raises(TypeError, match="not wrapped in megatron.core.distributed.DistributedDataParallel"):
         DistributedOptimizerStorage.check([SimpleNamespace()], None)
-    assert {DistributedOptimizerStorage.checkpoint_format, MegatronFSDPStorage.checkpoint_format} == {
+    assert {DistributedOptimizerStorage.checkpoint_format.name, MegatronFSDPStorage.checkpoint_format.name} == {
         "torch_dist",
         "fsdp_dtensor",
     }
