@@ -192,7 +192,8 @@ class Steps:
 
 def _shard_map(layouts, expert: bool, group: SimulatedGroup):
     """The optimizer's shard map, by the DistributedOptimizer storage's own
-    ``build_shard_map``, over the layout's buffers of one kind (no masters: no tensors)."""
+    ``build_shard_map``, over the layout's buffers of one kind, standing in for the Megatron
+    ``DistributedOptimizer`` the storage holds (``engine``; no masters: no tensors)."""
     from megatron_muon.storage.distributed_optimizer import DistributedOptimizerStorage
 
     buffers = [
@@ -202,11 +203,11 @@ def _shard_map(layouts, expert: bool, group: SimulatedGroup):
         for key, lay in layouts.layouts.items()
         if key.is_expert_parallel == expert
     ]
-    opt = SimpleNamespace(
+    engine = SimpleNamespace(
         buffers=buffers, model_float16_groups=[], shard_fp32_from_float16_groups=[], model_fp32_groups=[],
         shard_fp32_groups=[],
     )  # fmt: skip
-    return DistributedOptimizerStorage.build_shard_map(SimpleNamespace(opt=opt))
+    return DistributedOptimizerStorage.build_shard_map(SimpleNamespace(engine=engine))
 
 
 def one_rank(m: S.ModelShape, c: Cluster, rank: int, trace: bool, world: Optional[SimulatedWorld] = None) -> Dict:
