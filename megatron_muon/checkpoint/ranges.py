@@ -164,8 +164,10 @@ class RangePiece:
         return box.permute(sorted(range(len(self.axes)), key=lambda i: self.axes[i]))
 
     def take(self, flat: torch.Tensor) -> torch.Tensor:
-        """The box's values out of the range's values ``flat``."""
-        return self._view(flat).contiguous().view(self.shape)
+        """The box's values out of the range's values ``flat``, for a save: a box that is a
+        contiguous run of them is the same memory, as a tensor of its own storage
+        (:func:`own_storage`)."""
+        return own_storage(self._view(flat).contiguous().view(self.shape))
 
     def put(self, flat: torch.Tensor, value: torch.Tensor) -> None:
         """Write the box's values ``value`` into the range's values ``flat`` (nothing to do
@@ -193,6 +195,25 @@ class RangePiece:
             replica_id=replica,
             allow_shape_mismatch=self.placement.allow_shape_mismatch,
         )
+
+
+def own_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as a tensor whose storage is exactly its elements, aliasing its
+    memory (the storage slice keeps the larger one alive).
+
+    Megatron-core's CPU writer (``filesystem_async._clone_or_dequantize_if_needed``) clones
+    every tensor whose storage is larger than it before writing, so that ``torch.save``
+    does not write the whole storage. A box of a rank's range is such a view unless it is
+    the whole range (SwiGLU's gate and up halves always are): as its own storage it is
+    written from where it lies, as the writer writes a tensor that owns its memory, and a
+    save copies nothing on any data-parallel size. Off the CPU the writer copies every
+    tensor to the host (only its elements), so ``t`` is returned as it is."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu" or t.numel() == 0 or storage.nbytes() == t.numel() * t.element_size():
+        return t
+    first = t.storage_offset() * t.element_size()
+    exact = storage[first : first + t.numel() * t.element_size()]
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(exact, 0, t.shape, t.stride())
 
 
 def range_pieces(model_entry: Any, shape: Sequence[int], start: int, end: int) -> List[RangePiece]:

@@ -89,3 +89,29 @@ def test_the_pieces_of_a_range_land_where_the_model_puts_the_parameter(kind):
         assert torch.equal(got[placed], reference[placed])
         assert set(got[placed].tolist()) == set(flat.tolist())
         assert torch.equal(back, flat)  # a load puts each piece back where the save took it
+
+
+@pytest.mark.parametrize("kind", ["plain", "swiglu", "experts"])
+def test_a_saved_box_is_its_own_storage_so_megatrons_writer_copies_nothing(kind):
+    """Megatron-core's CPU writer clones a tensor whose storage is larger than it
+    (``filesystem_async._clone_or_dequantize_if_needed``): every box a save hands it owns
+    exactly its elements, in the rank's own memory where the box is a contiguous run of it,
+    and ``torch.save`` writes those elements alone."""
+    import io
+
+    shape = (6, 5)
+    entry = _model_entry(shape, kind)
+    values = torch.arange(30, dtype=torch.float32) + 100
+    rng = random.Random(1)
+    ranges = [(0, 30), (0, 15), (15, 30), (4, 27)] + [tuple(sorted(rng.sample(range(31), 2))) for _ in range(20)]
+    for start, end in ranges:
+        flat = values[start:end]
+        for piece in range_pieces(entry, shape, start, end):
+            box = piece.take(flat)
+            assert box.untyped_storage().nbytes() == box.numel() * box.element_size()
+            if piece._view(flat).is_contiguous():
+                assert box.data_ptr() == piece._view(flat).data_ptr()  # not a copy
+            written = io.BytesIO()
+            torch.save(box, written)
+            assert len(written.getvalue()) < 2048 + box.numel() * 4
+            assert torch.equal(torch.load(io.BytesIO(written.getvalue())), box)
