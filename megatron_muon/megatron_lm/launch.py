@@ -97,91 +97,13 @@ def expand_recipe(argv: Sequence[str]) -> List[str]:
     else:
         name, rest = argv[i].split("=", 1)[1], argv[:i] + argv[i + 1 :]
     parser = extra_args_provider(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
-    recipe = without_grouped_gemm_on_local(without_muon_only_settings(recipes.load_recipe(name), rest), rest)
-    if _given(rest, "--train-samples") is not None:
-        recipe = sample_based(recipe, _given(rest, "--global-batch-size"))
+    recipe = recipes.fitted_to(recipes.load_recipe(name), rest, say=_say_on_first_rank)
     return recipes.recipe_to_argv(recipe, parser) + rest
 
 
-def without_muon_only_settings(recipe: dict, rest: Sequence[str]) -> dict:
-    """The recipe without its QK-Clip when the command line trains it with another optimizer
-    (``--optimizer adam``, or Megatron-core's Muon): a recipe's QK-Clip is for megatron_muon,
-    which clips the fp32 masters; Megatron-core's clips the model weights, which its
-    distributed optimizer's masters overwrite at the next step. Says so in one line."""
-    optimizer = _given(rest, "--optimizer") or recipes.recipe_value(recipe, "optimizer", "adam")
-    impl = _given(rest, "--muon-impl") or "megatron_muon"
-    if not recipes.recipe_value(recipe, "qk-clip") or (optimizer in ("muon", "dist_muon") and impl == "megatron_muon"):
-        return recipe
+def _say_on_first_rank(line: str) -> None:
     if _first_rank():
-        print(
-            f"megatron_muon: the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer {optimizer}"
-            + (f" --muon-impl {impl}" if optimizer == "muon" else ""),
-            flush=True,
-        )
-    return {k: v for k, v in recipe.items() if recipes.flag_key(k) != "qk-clip"}
-
-
-def without_grouped_gemm_on_local(recipe: dict, rest: Sequence[str]) -> dict:
-    """The recipe without its ``--moe-grouped-gemm`` when the run uses the local implementation
-    (no transformer-engine, or ``--transformer-impl local``): Megatron-core 0.19 builds grouped
-    experts only with transformer-engine (``TEGroupedMLP``), and the flag has no negative form
-    a command line could give. Says so in one line (given on the command line, it is refused:
-    :func:`check_runnable_here`)."""
-    from megatron_muon.layer_specs import transformer_engine_available
-
-    if not recipes.recipe_value(recipe, "moe-grouped-gemm"):
-        return recipe
-    default = "transformer_engine" if transformer_engine_available() else "local"
-    impl = _given(rest, "--transformer-impl") or recipes.recipe_value(recipe, "transformer-impl", default)
-    if impl == "transformer_engine":
-        return recipe
-    if _first_rank():
-        print(
-            "megatron_muon: the recipe's --moe-grouped-gemm is off with --transformer-impl local (grouped experts "
-            "are transformer-engine's TEGroupedMLP; the local implementation runs one MLP per expert)",
-            flush=True,
-        )
-    return {k: v for k, v in recipe.items() if recipes.flag_key(k) != "moe-grouped-gemm"}
-
-
-ITERATION_SCHEDULE = {
-    "lr-warmup-iters": "lr-warmup-samples",
-    "lr-decay-iters": "lr-decay-samples",
-    "lr-wsd-decay-iters": "lr-wsd-decay-samples",
-}
-"""A recipe's iteration-based schedule keys and their sample-based counterparts."""
-
-
-def _given(argv: Sequence[str], flag: str) -> Optional[str]:
-    """The value of ``flag`` on a command line, or None."""
-    for i, token in enumerate(argv):
-        if token == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if token.startswith(flag + "="):
-            return token.split("=", 1)[1]
-    return None
-
-
-def sample_based(recipe: dict, global_batch_size: Optional[str]) -> dict:
-    """A recipe for a run that counts samples (``--train-samples`` on the command line):
-    its ``train-iters`` dropped, its iteration-based schedule given in samples (iterations x
-    the global batch size). Megatron-LM takes one or the other, never both."""
-    out = {}
-    for raw_key, value in recipe.items():
-        key = recipes.flag_key(raw_key)
-        if key == "train-iters":
-            continue
-        if key in ITERATION_SCHEDULE and value:
-            batch = global_batch_size or recipes.recipe_value(recipe, "global-batch-size")
-            if batch is None:
-                raise recipes.RecipeError(
-                    f"the recipe sets {key}, which counts iterations; with --train-samples give "
-                    f"--{ITERATION_SCHEDULE[key]} or --global-batch-size"
-                )
-            out[ITERATION_SCHEDULE[key]] = int(value) * int(batch)
-            continue
-        out[raw_key] = value
-    return out
+        print(line, flush=True)
 
 
 def check_values(args: argparse.Namespace) -> None:

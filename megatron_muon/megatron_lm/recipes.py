@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -134,3 +134,100 @@ def recipe_to_argv(recipe: Dict[str, Any], parser: argparse.ArgumentParser) -> L
 
 def _token(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# ---------------------------------------------------------------------------------------
+# A recipe fitted to the command line it runs with
+# ---------------------------------------------------------------------------------------
+
+
+def fitted_to(recipe: Dict[str, Any], rest: Sequence[str], say: Callable[[str], None]) -> Dict[str, Any]:
+    """``recipe`` as the command line ``rest`` (everything but ``--recipe``) can run it:
+    without its QK-Clip for another optimizer, without grouped experts on the local
+    implementation, counted in samples under ``--train-samples``; ``say`` tells the user
+    what was dropped, in one line each."""
+    recipe = without_grouped_gemm_on_local(without_muon_only_settings(recipe, rest, say), rest, say)
+    if given(rest, "--train-samples") is not None:
+        recipe = sample_based(recipe, given(rest, "--global-batch-size"))
+    return recipe
+
+
+def given(argv: Sequence[str], flag: str) -> Optional[str]:
+    """The value of ``flag`` on a command line, or None."""
+    for i, token in enumerate(argv):
+        if token == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if token.startswith(flag + "="):
+            return token.split("=", 1)[1]
+    return None
+
+
+def without_muon_only_settings(
+    recipe: Dict[str, Any], rest: Sequence[str], say: Callable[[str], None]
+) -> Dict[str, Any]:
+    """The recipe without its QK-Clip when the command line trains it with another optimizer
+    (``--optimizer adam``, or Megatron-core's Muon): a recipe's QK-Clip is for megatron_muon,
+    which clips the fp32 masters; Megatron-core's clips the model weights, which its
+    distributed optimizer's masters overwrite at the next step."""
+    optimizer = given(rest, "--optimizer") or recipe_value(recipe, "optimizer", "adam")
+    impl = given(rest, "--muon-impl") or "megatron_muon"
+    if not recipe_value(recipe, "qk-clip") or (optimizer in ("muon", "dist_muon") and impl == "megatron_muon"):
+        return recipe
+    say(
+        f"megatron_muon: the recipe's QK-Clip (--qk-clip) is megatron_muon's; off with --optimizer {optimizer}"
+        + (f" --muon-impl {impl}" if optimizer == "muon" else "")
+    )
+    return {k: v for k, v in recipe.items() if flag_key(k) != "qk-clip"}
+
+
+def without_grouped_gemm_on_local(
+    recipe: Dict[str, Any], rest: Sequence[str], say: Callable[[str], None]
+) -> Dict[str, Any]:
+    """The recipe without its ``--moe-grouped-gemm`` when the run uses the local implementation
+    (no transformer-engine, or ``--transformer-impl local``): Megatron-core 0.19 builds grouped
+    experts only with transformer-engine (``TEGroupedMLP``), and the flag has no negative form
+    a command line could give (given on the command line, it is refused:
+    ``launch.check_runnable_here``)."""
+    from megatron_muon.layer_specs import transformer_engine_available
+
+    if not recipe_value(recipe, "moe-grouped-gemm"):
+        return recipe
+    default = "transformer_engine" if transformer_engine_available() else "local"
+    impl = given(rest, "--transformer-impl") or recipe_value(recipe, "transformer-impl", default)
+    if impl == "transformer_engine":
+        return recipe
+    say(
+        "megatron_muon: the recipe's --moe-grouped-gemm is off with --transformer-impl local (grouped experts "
+        "are transformer-engine's TEGroupedMLP; the local implementation runs one MLP per expert)"
+    )
+    return {k: v for k, v in recipe.items() if flag_key(k) != "moe-grouped-gemm"}
+
+
+ITERATION_SCHEDULE = {
+    "lr-warmup-iters": "lr-warmup-samples",
+    "lr-decay-iters": "lr-decay-samples",
+    "lr-wsd-decay-iters": "lr-wsd-decay-samples",
+}
+"""A recipe's iteration-based schedule keys and their sample-based counterparts."""
+
+
+def sample_based(recipe: Dict[str, Any], global_batch_size: Optional[str]) -> Dict[str, Any]:
+    """A recipe for a run that counts samples (``--train-samples`` on the command line):
+    its ``train-iters`` dropped, its iteration-based schedule given in samples (iterations x
+    the global batch size). Megatron-LM takes one or the other, never both."""
+    out = {}
+    for raw_key, value in recipe.items():
+        key = flag_key(raw_key)
+        if key == "train-iters":
+            continue
+        if key in ITERATION_SCHEDULE and value:
+            batch = global_batch_size or recipe_value(recipe, "global-batch-size")
+            if batch is None:
+                raise RecipeError(
+                    f"the recipe sets {key}, which counts iterations; with --train-samples give "
+                    f"--{ITERATION_SCHEDULE[key]} or --global-batch-size"
+                )
+            out[ITERATION_SCHEDULE[key]] = int(value) * int(batch)
+            continue
+        out[raw_key] = value
+    return out
