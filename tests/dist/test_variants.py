@@ -136,7 +136,14 @@ MASTER_OFFLOAD_TP_MODES = ("exact", "duplicated")
 def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
     """Train the bf16 model with the momentum offloaded, then with the momentum and the
     masters (cautious decay on, so that the update reads the masters too), in the exact
-    and the duplicated TP mode; report each run, and where the masters were after it."""
+    and the duplicated TP mode; report each run, where the masters were after it, and how
+    often Megatron's master -> model copy rounded the pool on the host (the step writes
+    the model's parameters from the masters staged on the device instead)."""
+    from megatron_muon.state import OffloadedMasters
+
+    rounded_on_host = []
+    in_model_dtype = OffloadedMasters.in_model_dtype
+    OffloadedMasters.in_model_dtype = lambda self, dtype: (rounded_on_host.append(dtype), in_model_dtype(self, dtype))[1]
     spec = M.TinyModelSpec(bf16=True, **spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, 3)
     out = {}
@@ -145,6 +152,7 @@ def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
         runs[f"momentum-{mode}"] = dict(OFFLOAD, muon_chunk_numel=3000, muon_tp_mode=mode, **CAUTIOUS)
         runs[f"masters-{mode}"] = dict(OFFLOAD_MASTERS, muon_tp_mode=mode, **CAUTIOUS)
     for name, overrides in runs.items():
+        rounded_on_host.clear()
         chunks, model, opt, sched = build(spec, **overrides)
         train_steps(model, opt, sched, spec, batches)
         out[name] = dict(state=M.gather_canonical_state(chunks), optimizer=M.gather_canonical_optimizer_state(model, opt))
@@ -155,7 +163,12 @@ def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
             pool_bytes=sum(m.pool_bytes for m in masters if m is not None),
             muon_master_bytes=sum(s.numel() * 4 for o in opt.muon_optimizers for s in o.muon.masters if s is not None),
             clipped=bool(opt.muon_optimizers[0].qk_clip.last_max_logits.max() > QK["qk_clip_threshold"]),
+            rounded_on_host=len(rounded_on_host),
+            staged_idle=sum(m.staging.device_bytes for m in masters if m is not None),
+            staged_peak=sum(m.staging.peak_device_bytes for m in masters if m is not None),
+            two_chunks=sum(2 * max(sum(e - s for _, s, e in r) for r in m.staging.ranges) * 4 for m in masters if m),
         )
+    OffloadedMasters.in_model_dtype = in_model_dtype
     return out
 
 
@@ -172,6 +185,9 @@ def test_offloaded_masters_change_nothing(world, layout, model):
             facts = r[f"masters-{mode}"]["facts"]
             assert all(facts["offloaded"]) and facts["in_pool"], facts
             assert facts["pool_bytes"] == facts["muon_master_bytes"] > 0, facts
+            assert facts["rounded_on_host"] == 0, facts  # the step wrote the model's parameters
+            # staged on the device during the step: two chunks' masters at most, none after it
+            assert facts["staged_idle"] == 0 and 0 < facts["staged_peak"] <= facts["two_chunks"] < facts["pool_bytes"]
             assert not any(r[f"momentum-{mode}"]["facts"]["offloaded"])
         assert results[0][f"momentum-{mode}"]["facts"]["clipped"], "QK-Clip did not act; lower the threshold"
         for part in ("state", "optimizer"):
