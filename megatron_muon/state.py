@@ -190,7 +190,9 @@ class ChunkStaging:
     def fetch(self, index: int) -> Dict[str, List[torch.Tensor]]:
         """name -> the device tensors of chunk ``index``'s ranges, in their order (views of
         a staging buffer, once its copy arrived)."""
-        event = self._fetched.pop(index, None)
+        if index not in self._fetched:  # its buffer holds another chunk's ranges
+            raise RuntimeError(f"ChunkStaging: chunk {index} taken out of order (chunks run in plan order)")
+        event = self._fetched.pop(index)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         offsets = self._offsets[index]

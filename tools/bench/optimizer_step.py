@@ -204,17 +204,23 @@ def ns_tflop(opt) -> Optional[float]:
 
 def offload_bytes(opt) -> Optional[Dict[str, int]]:
     """Bytes the CPU offload moves per step on this rank, each way: every offloaded state
-    and the offloaded fp32 masters staged to the device and written back (the masters are
-    updated there and written into the model's parameters there); where the storage gives
-    no model ranges (FP8 / FP4 parameter gathers), also the masters rounded to the model's
-    16-bit dtype on the host, copied to the device by Megatron's master -> model copy."""
+    (variance reduction's second moments too: kept on the CPU with the offload, moved to
+    the device for each stack) and the offloaded fp32 masters, staged to the device and
+    written back (they are updated and written into the model's parameters there); where
+    the storage gives no model ranges (FP8 / FP4 parameter gathers), also the masters
+    rounded to the model's 16-bit dtype on the host, which Megatron's master -> model copy
+    copies to the device."""
+    from megatron_muon.state import SECOND_MOMENT
+
     muon = getattr(opt, "muon_optimizers", None)
     if not muon or not any(o.muon.shard_states.offload for o in muon):
         return None
     h2d = d2h = 0
     for o in muon:
-        h2d += o.muon.shard_states.pool_bytes
-        d2h += o.muon.shard_states.pool_bytes
+        moments = o.muon.owner_states.values.get(SECOND_MOMENT, {}).values()  # kept on the CPU, used on the device
+        moved = o.muon.shard_states.pool_bytes + sum(t.numel() * t.element_size() for t in moments)
+        h2d += moved
+        d2h += moved
         offload = o.masters_offload
         if offload is not None:
             h2d += offload.pool_bytes
