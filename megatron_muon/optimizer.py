@@ -27,9 +27,9 @@ skipped on every rank, and too many in a row raise (``non_finite.py``). The upda
    scatter, decay and update; the expert chunks while the first dense gathers travel),
    QK-Clip's scaling of the fp32 masters, the backend's master -> model copy and parameter
    sync (CPU-offloaded masters are staged on the device chunk by chunk, scaled and written
-   into the model's parameters there: ``state.OffloadedMasters``). With ``muon_step_overlap='forward'`` the schedule is a ``pipeline.PendingStep``:
-   only every chunk's momentum now, the rest when the next forward's parameter sync needs
-   it.
+   into the model's parameters there: ``state.OffloadedMasters``). With
+   ``muon_step_overlap='forward'`` the schedule is a ``pipeline.PendingStep``: only every
+   chunk's momentum now, the rest when the next forward's parameter sync needs it.
 
 The rule is plain Muon or the variant the config asks for (:data:`RULE_VARIANTS`).
 """

@@ -427,13 +427,13 @@ class OffloadedMasters:
     there (:meth:`fetch`, a :class:`ChunkStaging` of two buffers: the next chunk's ranges
     arrive while one chunk's are updated), decayed, updated and QK-Clipped there, written
     into the model's parameters there (:meth:`release`: the same fp32 -> bf16/fp16 rounding
-    as Megatron's copy, on the device) and back to the pool on the side stream. Megatron's
+    as Megatron's copy, on the device) and back to the pool on a side stream. Megatron's
     master -> model copy then has nothing left to do for them (:meth:`model_ranges_in_place`);
     where the storage cannot give the model's ranges (FP8 / FP4 parameter gathers, which
     quantize from the masters), it reads a pinned pool rounded on the CPU instead
     (:meth:`in_model_dtype`).
 
-    The one other exception is Megatron's ``_copy_model_grads_to_main_grads``: torch lets a
+    ``.data`` moves once more, for Megatron's ``_copy_model_grads_to_main_grads``: torch lets a
     parameter take a ``.grad`` only on its own device, so for that call (see
     :meth:`grads_assignable`) ``.data`` becomes a zero-stride device placeholder (one
     element shared by all masters; a write to it raises). The gradients themselves stay
