@@ -130,13 +130,19 @@ def test_variants_equal_reference(references, world, layout, model):
 # ---------------------------------------------------------------------------------------
 OFFLOAD_MASTERS = dict(MASTER_OFFLOAD, muon_chunk_numel=3000)
 QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: QK-Clip rescales the offloaded masters
-MASTER_OFFLOAD_TP_MODES = ("exact", "duplicated")
+MASTER_OFFLOAD_MODES = {
+    "exact": dict(muon_tp_mode="exact", **CAUTIOUS),
+    "duplicated": dict(muon_tp_mode="duplicated", **CAUTIOUS),
+    # Hyperball's apply reduces each matrix's norms over the staged masters' holders
+    "hyperball": dict(muon_hyperball=True, **VR),
+}
+"""Run -> its settings beside the offload ones (cautious decay: the update reads the masters)."""
 
 
 def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
     """Train the bf16 model with the momentum offloaded, then with the momentum and the
-    masters (cautious decay on, so that the update reads the masters too), in the exact
-    and the duplicated TP mode; report each run, where the masters were after it, and how
+    masters, in each of :data:`MASTER_OFFLOAD_MODES`; report each run, where the masters
+    were after it, and how
     often Megatron's master -> model copy rounded the pool on the host (the step writes
     the model's parameters from the masters staged on the device instead)."""
     from megatron_muon.state import OffloadedMasters
@@ -148,9 +154,9 @@ def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
     batches = M.synthetic_batches(spec, GBS, 3)
     out = {}
     runs = {}
-    for mode in MASTER_OFFLOAD_TP_MODES:
-        runs[f"momentum-{mode}"] = dict(OFFLOAD, muon_chunk_numel=3000, muon_tp_mode=mode, **CAUTIOUS)
-        runs[f"masters-{mode}"] = dict(OFFLOAD_MASTERS, muon_tp_mode=mode, **CAUTIOUS)
+    for mode, settings in MASTER_OFFLOAD_MODES.items():
+        runs[f"momentum-{mode}"] = dict(OFFLOAD, muon_chunk_numel=3000, **settings)
+        runs[f"masters-{mode}"] = dict(OFFLOAD_MASTERS, **settings)
     for name, overrides in runs.items():
         rounded_on_host.clear()
         chunks, model, opt, sched = build(spec, **overrides)
@@ -180,7 +186,7 @@ def test_offloaded_masters_change_nothing(world, layout, model):
     momentum alone offloaded (which the fp32 tests above check against the reference)."""
     spec = dict(DENSE if model == "dense" else MOE, extra=QK)
     results = run_distributed(_bf16_with_and_without_master_offload, world, spec, timeout_s=800, **layout)
-    for mode in MASTER_OFFLOAD_TP_MODES:
+    for mode in MASTER_OFFLOAD_MODES:
         for r in results:
             facts = r[f"masters-{mode}"]["facts"]
             assert all(facts["offloaded"]) and facts["in_pool"], facts
