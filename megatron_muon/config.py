@@ -113,11 +113,12 @@ class MuonConfig(OptimizerConfig):
     muon_cpu_offload: bool = False
     """Keep the Muon momentum in (pinned, where CUDA is available) CPU memory; each
     pipeline chunk brings its momentum to the device just before its gather and writes it
-    back right after, the copies overlapped with other chunks on a side stream. With
+    back right after, the copies overlapped with other chunks on side streams. With
     Megatron's ``optimizer_cpu_offload`` (and ``optimizer_offload_fraction=1.0``) the fp32
-    master weights of the Muon matrices of bf16/fp16 models live in CPU memory too: the
-    update, weight decay and QK-Clip run on them there, and the master -> model copy
-    moves them to the device. AdamW's parameters keep their state on the device."""
+    master weights of the Muon matrices of bf16/fp16 models live in CPU memory too, staged
+    to the device chunk by chunk the same way: weight decay, the update and QK-Clip run on
+    the device, where each chunk's masters are also written into the model's parameters.
+    AdamW's parameters keep their state on the device."""
 
     # --- distribution -------------------------------------------------------------------
     muon_tp_mode: str = "exact"

@@ -26,9 +26,10 @@ skipped on every rank, and too many in a row raise (``non_finite.py``). The upda
 4. the schedule (``pipeline.RunNow``): every chunk (momentum, gather, Newton–Schulz,
    scatter, decay and update; the expert chunks while the first dense gathers travel),
    QK-Clip's scaling of the fp32 masters, the backend's master -> model copy and parameter
-   sync. With ``muon_step_overlap='forward'`` the schedule is a ``pipeline.PendingStep``:
-   only every chunk's momentum now, the rest when the next forward's parameter sync needs
-   it.
+   sync (CPU-offloaded masters are staged on the device chunk by chunk, scaled and written
+   into the model's parameters there: ``state.OffloadedMasters``). With
+   ``muon_step_overlap='forward'`` the schedule is a ``pipeline.PendingStep``: only every
+   chunk's momentum now, the rest when the next forward's parameter sync needs it.
 
 The rule is plain Muon or the variant the config asks for (:data:`RULE_VARIANTS`).
 """
@@ -201,7 +202,9 @@ class MuonDistributedOptimizer(MixedPrecisionOptimizer):
             self.plan, [s.start for s in shards], [m.numel() if m is not None else None for m in masters]
         )
         if cfg.optimizer_cpu_offload:
-            self.masters_offload = OffloadedMasters(self.storage.float16_masters(), device)
+            float16 = self.storage.float16_masters()
+            self.masters_offload = OffloadedMasters(float16, self.storage.model_ranges(float16), device)
+            self.masters_offload.stage_for(masters, messages)
         me = self.plan.group.rank
         rule = muon_rule(cfg, self.ns_method)
         rule.check(self.plan.jobs)

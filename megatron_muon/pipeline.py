@@ -16,7 +16,10 @@ data is, on every rank of the orthogonalization group:
    update written in place into the send buffer; otherwise each matrix is assembled from
    its TP x DP pieces and its update cut back into them;
 4. **scatter**: the reverse ``all_to_all_single``; *yield* while it travels;
-5. **apply** on each arriving piece's fp32 master range.
+5. **apply** on each arriving piece's fp32 master range. CPU-offloaded masters
+   (``state.OffloadedMasters``) are staged on the device for it, chunk by chunk on side
+   streams like the offloaded momentum; there each range is also scaled by QK-Clip's
+   factors and written into the model's parameter before it goes back to the pool.
 
 :meth:`StepWork.run` drives chunks: it launches the gathers of up to
 ``muon_max_inflight_chunks`` chunks ahead of the one it completes, so one chunk's
@@ -81,7 +84,8 @@ class MuonPipeline:
     subgroups: Dict[Tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
     """The process groups of the multi-rank jobs this rank takes part in."""
     offloaded_masters: Optional[OffloadedMasters] = None
-    """The fp32 masters in a CPU pool (``optimizer_cpu_offload``), or None."""
+    """The fp32 masters in a CPU pool (``optimizer_cpu_offload``), staged on the device for
+    each chunk's update, or None."""
 
     # Owner-kept states in parameter coordinates, for checkpoints (outside the step).
 
@@ -152,20 +156,49 @@ class StepWork:
         self.made: List[torch.Tensor] = []
         """The orthogonalization inputs the first stages ran ahead made (the rest reads them)."""
         self.ended: Set[int] = set()
+        self.staged_clips: List[Dict[int, Clip]] = [{} for _ in self.pipelines]
+        """Per optimizer: Muon param index -> QK-Clip's factors of its master, scaled on the
+        device range by range after the update (masters staged there: the CPU offload)."""
         for position, pipeline in enumerate(self.pipelines):
             pipeline.shard_states.begin()
+            if pipeline.offloaded_masters is not None:
+                pipeline.offloaded_masters.begin()
             if not pipeline.messages:
                 self.end(position)
+
+    def clip_staged(self, clips: Sequence[Clip]) -> List[Clip]:
+        """Hand QK-Clip's factors of the CPU-offloaded masters to the chunks that update them
+        (each range is scaled on the device after its update, before it is written into the
+        model's parameters: the same bits as scaling the whole master afterwards, since
+        each element is scaled once, after its update); returns the other clips."""
+        staged: Dict[int, Tuple[int, int]] = {}
+        for position, pipeline in enumerate(self.pipelines):
+            if pipeline.offloaded_masters is not None:
+                pooled = {id(m) for m in pipeline.offloaded_masters.masters}
+                staged.update({id(m): (position, p) for p, m in enumerate(pipeline.masters) if id(m) in pooled})
+        rest = []
+        for clip in clips:
+            shard_map, param, _ = clip
+            where = staged.get(id(shard_map[param].master))
+            if where is None:
+                rest.append(clip)
+            else:
+                self.staged_clips[where[0]][where[1]] = clip
+        return rest
 
     def measured(self) -> Optional[Tuple[Optional[torch.Tensor], int]]:
         """``(square_sum, numel)`` of this step's updates, if it measured them."""
         return (self.square_sum, self.numel) if self.measure else None
 
     def end(self, position: int) -> None:
-        """End optimizer ``position``'s part of the step (its shard states' staging freed)."""
+        """End optimizer ``position``'s part of the step (its shard states' and masters'
+        staging written back and freed)."""
         if position not in self.ended:
             self.ended.add(position)
-            self.pipelines[position].shard_states.finish()
+            pipeline = self.pipelines[position]
+            pipeline.shard_states.finish()
+            if pipeline.offloaded_masters is not None:
+                pipeline.offloaded_masters.finish()
 
     def run(
         self,
@@ -250,15 +283,12 @@ class StepWork:
             if work is not None:
                 work.wait()
         with record_function("muon/update"):
+            offload = pipeline.offloaded_masters
+            staged = offload.fetch(msg) if offload is not None else {}  # CPU-offloaded: staged on the device
             masters, updates, lr_wd = [], [], []
-            host = None
             for p, s, e, offset in msg.scatter_apply:
-                master = pipeline.masters[p][s:e]
-                if master.device != recv.device and host is None:  # CPU-offloaded masters: one copy
-                    offload = pipeline.offloaded_masters
-                    host = offload.updates_to_host(recv) if offload is not None else recv.cpu()
-                masters.append(master)
-                updates.append((recv if master.device == recv.device else host)[offset : offset + e - s])
+                masters.append(staged[(p, s, e)] if (p, s, e) in staged else pipeline.masters[p][s:e])
+                updates.append(recv[offset : offset + e - s])
                 lr_wd.append(self.lr_wd[position][p])
             applied = AppliedChunk(
                 masters,
@@ -271,6 +301,13 @@ class StepWork:
                 pipeline.device,
             )
             rule.apply(applied)
+            if offload is not None:
+                clips = self.staged_clips[position]
+                for (p, s, e), master in staged.items():
+                    if p in clips:
+                        with record_function("muon/qk_clip"):
+                            scale_master_rows_(*clips[p], piece=(master, s, e))
+                offload.release(msg, staged)
 
     def orthogonalize(self, pipeline: MuonPipeline, msg: ChunkMessages, recv: torch.Tensor) -> torch.Tensor:
         """The owner's stages: the scatter's send buffer of a chunk, every owned job's update
@@ -346,7 +383,9 @@ class RunNow:
 
     def run(self, work: StepWork, clips: Sequence[Clip]) -> None:
         """Every chunk (the expert ones while the first dense gathers travel), QK-Clip's
-        scaling of the updated masters, the master -> model copy, the parameter sync."""
+        scaling of the updated masters (the CPU-offloaded ones: in their chunks,
+        :meth:`StepWork.clip_staged`), the master -> model copy, the parameter sync."""
+        clips = work.clip_staged(clips)
         if self.overlap_expert and len(work.pipelines) > 1:
             work.run(0, overlapped=1)
         else:
@@ -420,6 +459,7 @@ class PendingStep:
         the rest is left pending (with a side stream: queued there now)."""
         if self.active:
             raise RuntimeError("PendingStep: the previous step is still pending; finish_all() it first.")
+        clips = work.clip_staged(clips)
         for position in range(len(work.pipelines)):
             work.run(position, momentum_only=True)
         self.work = work

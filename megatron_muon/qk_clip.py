@@ -110,10 +110,17 @@ def scale_rows_(shard: torch.Tensor, start: int, end: int, cols: int, factors: t
             pos = row_end
 
 
-def scale_master_rows_(shard_map, param: torch.nn.Parameter, factors: torch.Tensor) -> None:
-    """Scale the rows of ``param`` that this rank's fp32 master shard covers by ``factors``."""
+def scale_master_rows_(
+    shard_map, param: torch.nn.Parameter, factors: torch.Tensor, piece: Optional[Tuple[torch.Tensor, int, int]] = None
+) -> None:
+    """Scale the rows of ``param`` that this rank's fp32 master shard covers by ``factors``;
+    with ``piece`` ``(values, start, end)``, only the master's elements ``start:end``, held
+    in ``values`` (a copy staged on the device)."""
     shard = shard_map[param]
-    if shard.master is not None:
+    if piece is not None:
+        values, start, end = piece
+        scale_rows_(values, shard.start + start, shard.start + end, storage_shape(param)[1], factors)
+    elif shard.master is not None:
         scale_rows_(shard.master, shard.start, shard.end, storage_shape(param)[1], factors)
 
 

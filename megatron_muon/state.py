@@ -19,15 +19,17 @@ with ``muon_cpu_offload``, in flat CPU pools (pinned with CUDA) of which
 ``state[master][name]`` is a view. The step asks for each chunk's ranges (:meth:`fetch`) and
 hands them back (:meth:`release`): on the device that is a view and nothing; offloaded it
 is a device staging buffer, written back to the pool and refilled with the next chunk's
-ranges on a side stream while the compute stream orthogonalizes::
+ranges on side streams (one per direction) while the compute stream orthogonalizes::
 
-    side stream:    H2D(0) | D2H(0) H2D(1) | D2H(1) H2D(2) | ...
+    side streams:   H2D(0) | D2H(0) H2D(1) | D2H(1) H2D(2) | ...
     compute stream:        update(0) ......| update(1) ....| ...
 
-so the maths is the same code whatever the storage. :class:`OwnerStates` holds the
-owner-kept states (on the CPU with offload). :class:`OffloadedMasters` moves the fp32
-masters of the Muon matrices to a CPU pool (``muon_cpu_offload`` with Megatron's
-``optimizer_cpu_offload``).
+so the maths is the same code whatever the storage (:class:`ChunkStaging` does the
+staging). :class:`OwnerStates` holds the owner-kept states (on the CPU with offload).
+:class:`OffloadedMasters` moves the fp32 masters of the Muon matrices to a CPU pool
+(``muon_cpu_offload`` with Megatron's ``optimizer_cpu_offload``) and stages them on the
+device for each chunk's update the same way, so that every operation of the step runs on
+the device.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .planner import ChunkMessages, Job
+from .planner import ChunkMessages, Job, Piece
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,142 @@ def init_adam_states(optimizer: torch.optim.Optimizer) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+class ChunkStaging:
+    """Ranges of flat CPU pools staged on the compute device chunk by chunk, for the step.
+
+    ``views[name][p]`` is the pool's view of Muon param ``p``'s values (None: not staged),
+    ``ranges[i]`` the ranges ``(p, start, end)`` chunk ``i`` works on; the ranges of
+    different chunks are disjoint (each element is updated by one chunk). Each chunk's
+    ranges go to a device staging buffer (one per name, ``buffers`` of them used in turn,
+    each sized for the largest chunk). The step takes them (:meth:`fetch`: waits for their
+    copy) and hands them back (:meth:`release`: written back to the pool once the compute
+    stream is done with them, and the buffer refilled with the chunk ``buffers`` further
+    on). With CUDA the copies to the device run on one side stream and those back on
+    another, so the two directions overlap each other and the compute; a refill waits
+    only for the write-back of the same buffer. With two buffers the next chunk's ranges
+    arrive while this one's are computed on::
+
+        to the device:  H2D(0) H2D(1) ......... H2D(2) ......... H2D(3)
+        to the host:                  D2H(0) ......... D2H(1) .........
+        compute:              step(0) ........ step(1) ........ step(2)
+
+    Chunks are fetched and released in order, each once. Elsewhere (the CPU) the same
+    copies run in place, in order: the same arithmetic on the same staged copies, so the
+    CPU tests exercise this path."""
+
+    def __init__(
+        self,
+        views: Dict[str, List[Optional[torch.Tensor]]],
+        ranges: Sequence[Sequence[Piece]],
+        device: torch.device,
+        buffers: int = 1,
+    ) -> None:
+        self.views = views
+        self.ranges = [list(r) for r in ranges]
+        self.device = device
+        self.buffers = buffers
+        self._offsets: List[List[int]] = []
+        for pieces in self.ranges:
+            offsets, numel = [], 0
+            for _, s, e in pieces:
+                offsets.append(numel)
+                numel += e - s
+            self._offsets.append(offsets + [numel])
+        cuda = device.type == "cuda"
+        self.to_device = torch.cuda.Stream(device=device) if cuda else None
+        self.to_host = torch.cuda.Stream(device=device) if cuda else None
+        self.staging: Dict[str, List[torch.Tensor]] = {}
+        """name -> the staging buffers (during a step)."""
+        self._fetched: Dict[int, Optional[torch.cuda.Event]] = {}
+        self._written: Dict[int, Optional[torch.cuda.Event]] = {}
+        """Buffer -> the event after the last write-back from it (a refill waits for it)."""
+        self.peak_device_bytes = 0
+        """Largest staged bytes on the device during the last step."""
+
+    @property
+    def device_bytes(self) -> int:
+        """Staged bytes on the compute device now (0 between steps)."""
+        return sum(t.numel() * t.element_size() for buffers in self.staging.values() for t in buffers)
+
+    def begin(self) -> None:
+        """Allocate the staging buffers and start fetching the first chunks."""
+        numel = max((o[-1] for o in self._offsets), default=0)
+        count = min(self.buffers, len(self.ranges))
+        self.staging = {
+            n: [torch.empty(numel, dtype=torch.float32, device=self.device) for _ in range(count)] for n in self.views
+        }
+        self.peak_device_bytes = self.device_bytes
+        if self.to_device is not None:
+            self.to_device.wait_stream(torch.cuda.current_stream(self.device))
+        for index in range(count):
+            self._fetch(index)
+
+    def fetch(self, index: int) -> Dict[str, List[torch.Tensor]]:
+        """name -> the device tensors of chunk ``index``'s ranges, in their order (views of
+        a staging buffer, once its copy arrived)."""
+        if index not in self._fetched:  # its buffer holds another chunk's ranges
+            raise RuntimeError(f"ChunkStaging: chunk {index} taken out of order (chunks run in plan order)")
+        event = self._fetched.pop(index)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        offsets = self._offsets[index]
+        return {
+            n: [buffers[index % self.buffers][offsets[i] : offsets[i + 1]] for i in range(len(self.ranges[index]))]
+            for n, buffers in self.staging.items()
+        }
+
+    def release(self, index: int) -> None:
+        """The step is done with chunk ``index``'s ranges: write them back to the pool and
+        fetch chunk ``index + buffers`` into the same buffer once they are out."""
+        updated = self._record()
+        with _on(self.to_host):
+            if updated is not None:
+                self.to_host.wait_event(updated)
+            self._copy(index, to_pool=True)
+            self._written[index % self.buffers] = self._record()
+        self._fetch(index + self.buffers)
+
+    def finish(self) -> None:
+        """Wait for the last write-back (the pool is current again) and free the buffers."""
+        for stream in (self.to_device, self.to_host):
+            if stream is not None:
+                stream.synchronize()
+        self.staging = {}
+        self._fetched.clear()
+        self._written.clear()
+
+    def _fetch(self, index: int) -> None:
+        if index >= len(self.ranges):
+            return
+        with _on(self.to_device):
+            written = self._written.pop(index % self.buffers, None)
+            if written is not None:
+                self.to_device.wait_event(written)
+            self._copy(index, to_pool=False)
+            self._fetched[index] = self._record()
+
+    def _copy(self, index: int, to_pool: bool) -> None:
+        offsets = self._offsets[index]
+        for name, buffers in self.staging.items():
+            staging, views = buffers[index % self.buffers], self.views[name]
+            for i, (p, s, e) in enumerate(self.ranges[index]):
+                pool, dev = views[p][s:e], staging[offsets[i] : offsets[i + 1]]
+                (pool if to_pool else dev).copy_(dev if to_pool else pool, non_blocking=True)
+
+    def _record(self) -> Optional[torch.cuda.Event]:
+        """An event after what the current stream queued so far (None off CUDA)."""
+        if self.to_device is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+def _on(stream: Optional[torch.cuda.Stream]):
+    """Queue on ``stream`` (CUDA), or run in place (None)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
 class ShardStates:
     """The shard-kept Muon states of one optimizer's fp32 masters."""
 
@@ -139,10 +277,8 @@ class ShardStates:
         self.pools: Dict[str, torch.Tensor] = {}
         """name -> every master's values, master after master (CPU; offload only)."""
         self.views: Dict[str, List[Optional[torch.Tensor]]] = {}
-        self._offsets: List[List[int]] = []
-        self.staging: Dict[str, torch.Tensor] = {}
-        self.peak_device_bytes = 0
-        """Largest offloaded-state bytes on the device during the last step (the staging)."""
+        self.staging: Optional[ChunkStaging] = None
+        """Offloaded: the chunks' ranges of the pools on the device during a step."""
         if offload:
             sizes = [m.numel() if m is not None else 0 for m in self.masters]
             pin = torch.cuda.is_available()
@@ -153,14 +289,7 @@ class ShardStates:
                     views.append(self.pools[name][offset : offset + size] if master is not None else None)
                     offset += size
                 self.views[name] = views
-            for msg in self.messages:
-                offsets, numel = [], 0
-                for _, s, e in msg.momentum:
-                    offsets.append(numel)
-                    numel += e - s
-                self._offsets.append(offsets + [numel])
-        self.stream = torch.cuda.Stream(device=self.device) if offload and self.device.type == "cuda" else None
-        self._fetched: Dict[int, Optional[torch.cuda.Event]] = {}
+            self.staging = ChunkStaging(self.views, [msg.momentum for msg in self.messages], self.device)
         self.adopt()
 
     def adopt(self) -> None:
@@ -189,7 +318,12 @@ class ShardStates:
     @property
     def device_bytes(self) -> int:
         """Offloaded-state bytes on the compute device now (0 between steps)."""
-        return sum(t.numel() * t.element_size() for t in self.staging.values())
+        return self.staging.device_bytes if self.staging is not None else 0
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """Largest offloaded-state bytes on the device during the last step (the staging)."""
+        return self.staging.peak_device_bytes if self.staging is not None else 0
 
     def begin(self) -> None:
         """Start a step: advance every held master's step count; offloaded, allocate the
@@ -199,70 +333,26 @@ class ShardStates:
         steps = [self.state[m]["step"] for m in self.masters if m is not None]
         if steps:
             torch._foreach_add_(steps, 1.0)
-        if not self.offload:
-            return
-        numel = max((o[-1] for o in self._offsets), default=0)
-        self.staging = {n: torch.empty(numel, dtype=torch.float32, device=self.device) for n in self.names}
-        self.peak_device_bytes = self.device_bytes
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._fetch(0)
+        if self.staging is not None:
+            self.staging.begin()
 
     def fetch(self, msg: ChunkMessages) -> Dict[str, List[torch.Tensor]]:
         """name -> the device tensors of ``msg.momentum``'s ranges, in that order (views of
         the state, or of the staging buffer once its fetch arrived)."""
-        if not self.offload:
+        if self.staging is None:
             return {n: [self.state[self.masters[p]][n][s:e] for p, s, e in msg.momentum] for n in self.names}
-        event = self._fetched.pop(msg.index, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
-        offsets = self._offsets[msg.index]
-        return {n: [self.staging[n][offsets[i] : offsets[i + 1]] for i in range(len(msg.momentum))] for n in self.names}
+        return self.staging.fetch(msg.index)
 
     def release(self, msg: ChunkMessages) -> None:
         """The step is done with ``msg``'s ranges: offloaded, write them back to the pool and
         fetch the next chunk's into the same staging buffer (stream order keeps them apart)."""
-        if not self.offload:
-            return
-        updated = self._record()
-        with self._side():
-            if updated is not None:
-                self.stream.wait_event(updated)
-            self._copy(msg.index, to_pool=True)
-        self._fetch(msg.index + 1)
+        if self.staging is not None:
+            self.staging.release(msg.index)
 
     def finish(self) -> None:
         """End the step: wait for the last write-back and free the staging buffers."""
-        if self.stream is not None:
-            self.stream.synchronize()
-        self.staging = {}
-        self._fetched.clear()
-
-    def _fetch(self, index: int) -> None:
-        if index >= len(self.messages):
-            return
-        with self._side():
-            self._copy(index, to_pool=False)
-            self._fetched[index] = self._record()
-        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
-
-    def _copy(self, index: int, to_pool: bool) -> None:
-        offsets = self._offsets[index]
-        for name in self.names:
-            staging, views = self.staging[name], self.views[name]
-            for i, (p, s, e) in enumerate(self.messages[index].momentum):
-                pool, dev = views[p][s:e], staging[offsets[i] : offsets[i + 1]]
-                (pool if to_pool else dev).copy_(dev if to_pool else pool, non_blocking=True)
-
-    def _side(self):
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
-
-    def _record(self) -> Optional[torch.cuda.Event]:
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
+        if self.staging is not None:
+            self.staging.finish()
 
 
 # ---------------------------------------------------------------------------------------
@@ -328,14 +418,23 @@ class OwnerStates:
 
 class OffloadedMasters:
     """The fp32 master shards of the Muon matrices, held in one CPU pool (pinned where
-    CUDA is available).
+    CUDA is available), and staged on the device chunk by chunk for the step.
 
     Megatron's code knows a master by its ``torch.nn.Parameter`` object (optimizer
     groups, state keys, grad norm, clipping), so each master stays that object and only
-    its ``.data`` moves: it is the pool view, and every read and write of master values
-    (weight decay, the update, QK-Clip, the master -> model copy, checkpoints) happens on
-    the CPU. The one exception is Megatron's ``_copy_model_grads_to_main_grads``: torch
-    lets a parameter take a ``.grad`` only on its own device, so for that call (see
+    its ``.data`` moves: it is the pool view between steps, where checkpoints read and
+    write it. The step updates the masters on the device: each chunk's ranges are staged
+    there (:meth:`fetch`, a :class:`ChunkStaging` of two buffers: the next chunk's ranges
+    arrive while one chunk's are updated), decayed, updated and QK-Clipped there, written
+    into the model's parameters there (:meth:`release`: the same fp32 -> bf16/fp16 rounding
+    as Megatron's copy, on the device) and back to the pool on a side stream. Megatron's
+    master -> model copy then has nothing left to do for them (:meth:`model_ranges_in_place`);
+    where the storage cannot give the model's ranges (FP8 / FP4 parameter gathers, which
+    quantize from the masters), it reads a pinned pool rounded on the CPU instead
+    (:meth:`in_model_dtype`).
+
+    ``.data`` moves once more, for Megatron's ``_copy_model_grads_to_main_grads``: torch lets a
+    parameter take a ``.grad`` only on its own device, so for that call (see
     :meth:`grads_assignable`) ``.data`` becomes a zero-stride device placeholder (one
     element shared by all masters; a write to it raises). The gradients themselves stay
     on the device, where Megatron's norm, clipping and zero counting read them.
@@ -343,8 +442,17 @@ class OffloadedMasters:
     Only masters of bf16/fp16 parameters are offloaded: an fp32 parameter's master is a
     view of the parameter itself."""
 
-    def __init__(self, masters: Sequence[torch.Tensor], device: Optional[torch.device]) -> None:
+    def __init__(
+        self,
+        masters: Sequence[torch.Tensor],
+        model_ranges: Sequence[Optional[torch.Tensor]],
+        device: Optional[torch.device],
+    ) -> None:
+        """``model_ranges[i]``: the range of the model's parameter storage (its dtype, on the
+        device) that ``masters[i]`` is copied into, or None where the storage's copy is not
+        a plain one."""
         self.masters = list(masters)
+        self.model_ranges = list(model_ranges)
         self.pool = torch.empty(
             sum(m.numel() for m in self.masters), dtype=torch.float32, pin_memory=torch.cuda.is_available()
         )
@@ -356,12 +464,68 @@ class OffloadedMasters:
             master.data = view  # the device copy Megatron allocated is freed here
             self.views.append(view)
             offset += master.numel()
+        self.device = device if device is not None else torch.device("cpu")
         self._placeholder = torch.zeros(1, dtype=torch.float32, device=device)
         self._pinned: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
+        self.staging: Optional[ChunkStaging] = None
+        """The chunks' ranges of the pool on the device during a step (:meth:`stage_for`)."""
+        self._in_model: List[Optional[torch.Tensor]] = []
+        """Per Muon param of the step: the model's range its master is written into."""
+        self.model_written = False
+        """The last step wrote every master's rounded values into the model's parameters,
+        and nothing changed them since (the next master -> model copy uses this once)."""
+
+    def stage_for(self, masters: Sequence[Optional[torch.Tensor]], messages: Sequence[ChunkMessages]) -> None:
+        """Stage, for each chunk of ``messages``, the offloaded masters' ranges it updates
+        (its ``scatter_apply``); ``masters[p]``: the step's master of Muon param ``p`` (None:
+        this rank holds none; one not in the pool is updated where it is)."""
+        pooled = {id(m): i for i, m in enumerate(self.masters)}
+        index = [pooled.get(id(m)) if m is not None else None for m in masters]
+        views = [self.views[i] if i is not None else None for i in index]
+        self._in_model = [self.model_ranges[i] if i is not None else None for i in index]
+        ranges = [[(p, s, e) for p, s, e, _ in msg.scatter_apply if views[p] is not None] for msg in messages]
+        self.staging = ChunkStaging({MASTER: views}, ranges, self.device, buffers=2)
 
     @property
     def pool_bytes(self) -> int:
         return self.pool.numel() * self.pool.element_size()
+
+    def begin(self) -> None:
+        """Start a step: the first chunks' masters on their way to the device."""
+        self.model_written = False
+        self.staging.begin()
+
+    def fetch(self, msg: ChunkMessages) -> Dict[Piece, torch.Tensor]:
+        """Range -> its staged master on the device, for ``msg``'s offloaded ranges."""
+        return dict(zip(self.staging.ranges[msg.index], self.staging.fetch(msg.index)[MASTER]))
+
+    def release(self, msg: ChunkMessages, staged: Dict[Piece, torch.Tensor]) -> None:
+        """``msg``'s masters are updated: their values into the model's parameters (where the
+        storage gave their ranges), then back to the pool (:meth:`ChunkStaging.release`)."""
+        for (p, s, e), master in staged.items():
+            if self._in_model[p] is not None:
+                self._in_model[p][s:e].copy_(master)
+        self.staging.release(msg.index)
+
+    def finish(self) -> None:
+        """End the step: the pool current again (the last write-back waited for)."""
+        self.staging.finish()
+        self.model_written = all(r is not None for r in self.model_ranges)
+
+    @contextmanager
+    def model_ranges_in_place(self) -> Iterator[None]:
+        """Every master is its model's range while Megatron copies the masters into the
+        model's parameters, after a step that wrote them there (:attr:`model_written`): the
+        copy of a tensor onto the same memory returns at once (torch's ``copy_``), so
+        Megatron's copy has nothing to do for them."""
+        for master, model_range in zip(self.masters, self.model_ranges):
+            master.data = model_range
+        try:
+            yield
+        finally:
+            self.model_written = False
+            for master, view in zip(self.masters, self.views):
+                master.data = view
 
     def _host_buffer(self, use: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A reused host buffer of at least ``numel`` elements (pinned with CUDA, so that
@@ -372,17 +536,6 @@ class OffloadedMasters:
             buffer = torch.empty(numel, dtype=dtype, pin_memory=torch.cuda.is_available())
             self._pinned[(use, dtype)] = buffer
         return buffer[:numel]
-
-    def updates_to_host(self, updates: torch.Tensor) -> torch.Tensor:
-        """A chunk's received updates (on the device, in the wire dtype) on the host, where
-        the masters are updated: one copy into a pinned buffer, waited for (the buffer is
-        reused by the next chunk, whose update runs after this one's)."""
-        if updates.device.type == "cpu":
-            return updates
-        host = self._host_buffer("updates", updates.numel(), updates.dtype)
-        host.copy_(updates, non_blocking=True)
-        torch.cuda.current_stream(updates.device).synchronize()
-        return host
 
     @contextmanager
     def in_model_dtype(self, dtype: torch.dtype) -> Iterator[None]:

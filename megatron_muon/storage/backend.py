@@ -122,6 +122,12 @@ class StorageBackend:
         master is the parameter's own storage)."""
         raise NotImplementedError
 
+    def model_ranges(self, masters: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """Per master of :meth:`float16_masters`: the range of its model parameter's storage
+        the master -> model copy writes it into (the model's dtype, on the device), where that
+        copy is a plain one; None where it is not (the engine quantizes, or has no such range)."""
+        return [None for _ in masters]
+
     def copy_grads_to_masters(self) -> List[torch.Tensor]:
         """The reduced gradients into this rank's masters' ``.grad``; returns every master
         gradient this rank holds (to unscale and check for inf/NaN)."""

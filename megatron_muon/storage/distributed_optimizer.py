@@ -150,6 +150,26 @@ class DistributedOptimizerStorage(StorageBackend):
         masters = (self.shard_map.master(mp.param) for mp in self.opt.muon_params)
         return [m for m in masters if m is not None and id(m) in float16]
 
+    def model_ranges(self, masters: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+        """Each master's range of its bucket's parameter buffer, where Megatron's copy writes
+        it; None for all with FP8 / FP4 parameter gathers (Megatron quantizes the masters)."""
+        ddp = self.engine.ddp_config
+        if getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False):
+            return [None for _ in masters]
+        models = {
+            id(master): model
+            for mains, group in zip(self.engine.shard_fp32_from_float16_groups, self.engine.model_float16_groups)
+            for master, model in zip(mains, group)
+        }
+        return [self._model_range(models[id(master)]) for master in masters]
+
+    def _model_range(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """This rank's range of ``param`` in its bucket's parameter buffer (Megatron's
+        ``gbuf_world_in_bucket``): what the master -> model copy writes and the all-gather sends."""
+        world = self.engine._get_model_param_range_map(param)["gbuf_world_in_bucket"]
+        buffer_index, _, bucket_index = self.engine.model_param_gbuf_map[param]
+        return self.engine.buffers[buffer_index].buckets[bucket_index].param_data.view(-1)[world.start : world.end]
+
     def copy_grads_to_masters(self) -> List[torch.Tensor]:
         """Megatron's copy; the CPU-offloaded masters take their gradients through their
         device placeholders."""
@@ -162,17 +182,24 @@ class DistributedOptimizerStorage(StorageBackend):
         self.engine.zero_grad(set_to_none)
 
     def copy_masters_to_model(self, params: Optional[Collection[int]] = None) -> None:
-        """Megatron's copy (CPU-offloaded masters from a pinned pool in the model's dtype:
-        ``OffloadedMasters.in_model_dtype``); for a subset of the parameters, the same copy
-        of each into its range of the bucket's parameter buffer (what Megatron's all-gather
-        then sends).
+        """Megatron's copy (CPU-offloaded masters: nothing to copy where the step wrote them
+        into the model's parameters on the device, ``OffloadedMasters.model_ranges_in_place``,
+        else from a pinned pool in the model's dtype, ``OffloadedMasters.in_model_dtype``);
+        for a subset of the parameters, the same copy of each into its range of the bucket's
+        parameter buffer (what Megatron's all-gather then sends).
         Megatron has no per-parameter copy; the subset path is its plain (unquantized) one,
         so the step overlap that uses it is refused with FP8 / FP4 parameter gathers."""
         engine = self.engine
         if params is None:
             offload = self.opt.masters_offload
             dtype = next((p.dtype for group in engine.model_float16_groups for p in group), None)
-            with offload.in_model_dtype(dtype) if offload is not None and dtype else contextlib.nullcontext():
+            if offload is not None and offload.model_written:
+                in_model = offload.model_ranges_in_place()
+            elif offload is not None and dtype:
+                in_model = offload.in_model_dtype(dtype)
+            else:
+                in_model = contextlib.nullcontext()
+            with in_model:
                 engine._copy_main_params_to_model_params()
             return
         groups = zip(
@@ -183,10 +210,7 @@ class DistributedOptimizerStorage(StorageBackend):
             for master, param in zip(masters, models):
                 if id(param) not in params:
                     continue
-                world = engine._get_model_param_range_map(param)["gbuf_world_in_bucket"]
-                buffer_index, _, bucket_index = engine.model_param_gbuf_map[param]
-                param_data = engine.buffers[buffer_index].buckets[bucket_index].param_data
-                param_data.view(-1)[world.start : world.end].copy_(master)
+                self._model_range(param).copy_(master)
 
     def copy_model_to_masters(self, state_dict=None) -> None:
         self.engine._copy_model_params_to_main_params(state_dict)

@@ -47,6 +47,7 @@ CASES = {
     "bf16": (dict(bf16=True), {}),
     "bf16-masters-offloaded": (dict(bf16=True), MASTER_OFFLOAD),
     "fp16": (dict(fp16=True), FP16_SCALER),
+    "fp16-masters-offloaded": (dict(fp16=True), dict(FP16_SCALER, **MASTER_OFFLOAD)),
 }
 """name -> (model precision, optimizer settings beyond tests.helpers.training.BASE_CFG)."""
 
@@ -263,9 +264,9 @@ def _all_cases(spec_kwargs: dict, cases: dict, cfg: dict, steps: int) -> dict:
 def _check(results: List[dict], whole_model_norm: bool) -> None:
     for rank, cases in enumerate(results):
         for name, case in cases.items():
-            assert case["offload"]["offloaded"] == (name == "bf16-masters-offloaded"), (name, case["offload"])
+            assert case["offload"]["offloaded"] == name.endswith("masters-offloaded"), (name, case["offload"])
             assert case["offload"]["in_pool"], name
-            half = "torch.float16" if name == "fp16" else "torch.bfloat16"
+            half = "torch.float16" if name.startswith("fp16") else "torch.bfloat16"
             assert half in case["dtypes"] and case["dtypes"] <= {half, "torch.float32"}, case["dtypes"]
             for i, step in enumerate(case["steps"]):
                 where = f"rank {rank}, {name}, step {i}"
@@ -281,8 +282,10 @@ def _check(results: List[dict], whole_model_norm: bool) -> None:
                 if whole_model_norm:
                     assert abs(ours - theirs) <= TOL * theirs, f"{where}: grad norm {ours} vs reference {theirs}"
         fp16, bf16 = cases["fp16"]["steps"][0], cases["bf16"]["steps"][0]
-        assert cases["fp16"]["scalers"] == ["DynamicGradScaler"] * len(cases["fp16"]["scalers"])
-        assert fp16["scale"] == FP16_SCALER["initial_loss_scale"] and bf16["scale"] == 1.0
+        for name in ("fp16", "fp16-masters-offloaded"):
+            scalers, scale = cases[name]["scalers"], cases[name]["steps"][0]["scale"]
+            assert scalers == ["DynamicGradScaler"] * len(scalers) and scale == FP16_SCALER["initial_loss_scale"], name
+        assert bf16["scale"] == 1.0
         # The loss scale was in the backward: the fp16 buffer grads are scale x the bf16 ones
         # (same weights up to rounding, same batch).
         ratio = fp16["raw_grad_norm"] / (fp16["scale"] * bf16["raw_grad_norm"])
@@ -303,7 +306,8 @@ def _report(results: List[dict], layout: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mixed_precision_steps_equal_reference_dp2():
-    """DP2, dense GQA, clipping on: bf16, bf16 with the masters on the CPU, fp16 + scaler."""
+    """DP2, dense GQA, clipping on: bf16, bf16 with the masters on the CPU, fp16 + scaler
+    (also with the masters on the CPU: the step rounds them to fp16 on the device)."""
     results = run_distributed(_all_cases, 2, dict(kind="gqa"), CASES, {}, STEPS, timeout_s=250)
     _report(results, "DP2")
     _check(results, whole_model_norm=True)

@@ -130,21 +130,35 @@ def test_variants_equal_reference(references, world, layout, model):
 # ---------------------------------------------------------------------------------------
 OFFLOAD_MASTERS = dict(MASTER_OFFLOAD, muon_chunk_numel=3000)
 QK = dict(qk_clip=True, qk_clip_threshold=0.04)  # low: QK-Clip rescales the offloaded masters
-MASTER_OFFLOAD_TP_MODES = ("exact", "duplicated")
+MASTER_OFFLOAD_MODES = {
+    "exact": dict(muon_tp_mode="exact", **CAUTIOUS),
+    "duplicated": dict(muon_tp_mode="duplicated", **CAUTIOUS),
+    # Hyperball's apply reduces each matrix's norms over the staged masters' holders
+    "hyperball": dict(muon_hyperball=True, **VR),
+}
+"""Run -> its settings beside the offload ones (cautious decay: the update reads the masters)."""
 
 
 def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
     """Train the bf16 model with the momentum offloaded, then with the momentum and the
-    masters (cautious decay on, so that the update reads the masters too), in the exact
-    and the duplicated TP mode; report each run, and where the masters were after it."""
+    masters, in each of :data:`MASTER_OFFLOAD_MODES`; report each run, where the masters
+    were after it, and how
+    often Megatron's master -> model copy rounded the pool on the host (the step writes
+    the model's parameters from the masters staged on the device instead)."""
+    from megatron_muon.state import OffloadedMasters
+
+    rounded_on_host = []
+    in_model_dtype = OffloadedMasters.in_model_dtype
+    OffloadedMasters.in_model_dtype = lambda self, dtype: (rounded_on_host.append(dtype), in_model_dtype(self, dtype))[1]
     spec = M.TinyModelSpec(bf16=True, **spec_kwargs)
     batches = M.synthetic_batches(spec, GBS, 3)
     out = {}
     runs = {}
-    for mode in MASTER_OFFLOAD_TP_MODES:
-        runs[f"momentum-{mode}"] = dict(OFFLOAD, muon_chunk_numel=3000, muon_tp_mode=mode, **CAUTIOUS)
-        runs[f"masters-{mode}"] = dict(OFFLOAD_MASTERS, muon_tp_mode=mode, **CAUTIOUS)
+    for mode, settings in MASTER_OFFLOAD_MODES.items():
+        runs[f"momentum-{mode}"] = dict(OFFLOAD, muon_chunk_numel=3000, **settings)
+        runs[f"masters-{mode}"] = dict(OFFLOAD_MASTERS, **settings)
     for name, overrides in runs.items():
+        rounded_on_host.clear()
         chunks, model, opt, sched = build(spec, **overrides)
         train_steps(model, opt, sched, spec, batches)
         out[name] = dict(state=M.gather_canonical_state(chunks), optimizer=M.gather_canonical_optimizer_state(model, opt))
@@ -155,7 +169,12 @@ def _bf16_with_and_without_master_offload(spec_kwargs: dict) -> dict:
             pool_bytes=sum(m.pool_bytes for m in masters if m is not None),
             muon_master_bytes=sum(s.numel() * 4 for o in opt.muon_optimizers for s in o.muon.masters if s is not None),
             clipped=bool(opt.muon_optimizers[0].qk_clip.last_max_logits.max() > QK["qk_clip_threshold"]),
+            rounded_on_host=len(rounded_on_host),
+            staged_idle=sum(m.staging.device_bytes for m in masters if m is not None),
+            staged_peak=sum(m.staging.peak_device_bytes for m in masters if m is not None),
+            two_chunks=sum(2 * max(sum(e - s for _, s, e in r) for r in m.staging.ranges) * 4 for m in masters if m),
         )
+    OffloadedMasters.in_model_dtype = in_model_dtype
     return out
 
 
@@ -167,11 +186,14 @@ def test_offloaded_masters_change_nothing(world, layout, model):
     momentum alone offloaded (which the fp32 tests above check against the reference)."""
     spec = dict(DENSE if model == "dense" else MOE, extra=QK)
     results = run_distributed(_bf16_with_and_without_master_offload, world, spec, timeout_s=800, **layout)
-    for mode in MASTER_OFFLOAD_TP_MODES:
+    for mode in MASTER_OFFLOAD_MODES:
         for r in results:
             facts = r[f"masters-{mode}"]["facts"]
             assert all(facts["offloaded"]) and facts["in_pool"], facts
             assert facts["pool_bytes"] == facts["muon_master_bytes"] > 0, facts
+            assert facts["rounded_on_host"] == 0, facts  # the step wrote the model's parameters
+            # staged on the device during the step: two chunks' masters at most, none after it
+            assert facts["staged_idle"] == 0 and 0 < facts["staged_peak"] <= facts["two_chunks"] < facts["pool_bytes"]
             assert not any(r[f"momentum-{mode}"]["facts"]["offloaded"])
         assert results[0][f"momentum-{mode}"]["facts"]["clipped"], "QK-Clip did not act; lower the threshold"
         for part in ("state", "optimizer"):

@@ -81,11 +81,12 @@ def test_optimizer_step_outputs(out, measured):
     # Exact methods match full-matrix Newton–Schulz up to bf16 rounding; blockwise does not.
     assert errors["ours_exact"]["vs_ns_max"] < 0.15 and errors["megatron_muon_duplicated"]["vs_ns_max"] < 0.15
     assert errors["ours_blockwise"]["vs_ns_mean"] > 5 * errors["ours_exact"]["vs_ns_mean"]
-    # CPU offload: no Muon state on the device between steps, at most one chunk's during a
-    # step (tests/test_variants.py checks that bound with many small chunks).
+    # CPU offload: no Muon state on the device between steps, during a step at most one
+    # chunk's momentum and two chunks' masters (tests/dist/test_variants.py checks those
+    # bounds with many small chunks).
     off, on = measured["peers"]["ours_exact_offload"], measured["peers"]["ours_exact"]
     assert off["muon_state_max"]["device_idle"] == 0
-    assert 0 < off["muon_state_max"]["device_step_peak"] <= off["muon_state_max"]["largest_chunk"]
+    assert 0 < off["muon_state_max"]["device_step_peak"] <= off["muon_state_max"]["staging_bound"]
     assert off["muon_state_max"]["offloaded"] == on["muon_state_max"]["device_idle"]
     assert _positive(off["step_ratio_to_offload_off"])
 

@@ -282,6 +282,20 @@ def test_megatron_core_muon_side_by_side_in_bf16(cache):
     assert sorted(losses(stdout)) == [1, 2, 3] and DONE in stdout
 
 
+def test_offloaded_muon_masters_train_as_on_the_device(cache):
+    """bf16 with --muon-cpu-offload and Megatron-LM's offload flags (the Muon momentum and
+    fp32 masters in CPU memory, staged to the device per chunk, where the step updates the
+    masters, QK-Clips them and writes the model's parameters): the losses of the run
+    without offload, to the last digit (tests/cuda holds the GPU run to the same)."""
+    flags = ["--bf16", "--qk-clip", "--qk-clip-threshold", "0.05", "--muon-chunk-numel", "4096"]
+    offload = ["--muon-cpu-offload", "--optimizer-cpu-offload", "--use-precision-aware-optimizer"]
+    on_device = losses(run(short_run("tiny_gqa", cache, *flags, iterations=4)))
+    stdout = run(short_run("tiny_gqa", cache, *flags, *offload, iterations=4))
+    assert sorted(on_device) == [1, 2, 3, 4] and losses(stdout) == on_device
+    logits = [float(x) for x in re.findall(r"max attention logit: ([0-9.]+)", stdout)]
+    assert len(logits) == 4 and min(logits) > 0.05, logits  # QK-Clip scaled the staged masters every step
+
+
 @pytest.mark.timeout(600)
 def test_expert_parallel_adamw_run_switches_to_muon_and_back(cache, tmp_path):
     """The AdamW peer on the MoE + MLA recipe with expert parallelism (EP2, bf16; Megatron

@@ -102,6 +102,12 @@ def median(values: Sequence[float]) -> float:
 # ---------------------------------------------------------------------------------------
 
 
+def copy_ms(moved: Dict[str, int], gbps: Dict[str, float]) -> float:
+    """The time to move ``moved`` bytes each way (``h2d``, ``d2h``) at the measured rates
+    (GB/s): the longer direction, both directions overlapping (the CPU offload's floor)."""
+    return max(moved["h2d"] / gbps["h2d"], moved["d2h"] / gbps["d2h"]) / 1e6
+
+
 def quiet() -> None:
     """Silence Megatron's per-rank warnings (CPU RNG tracker, fallbacks) in benchmark output."""
     import logging

@@ -215,9 +215,12 @@ def optimizer_step(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> 
     path = work / "optimizer_step_gpu.json"
     data = json.loads(path.read_text()) if path.exists() else {}
     status = "passed" if rc == 0 else "timed_out" if rc is None else "failed"
+    rates = data.get("host_device_gbps")
     peers = {
         name: dict(label=r["label"], step_ms=r["step_ms"], vs_adamw=r["ratio"], state_bytes=r["memory_max"],
-                   peak_bytes=r.get("peak_bytes_max"))
+                   peak_bytes=r.get("peak_bytes_max"),
+                   vs_copies=r["step_ms"] / common.copy_ms(r["offload_bytes"], rates)
+                   if rates and r.get("offload_bytes") else None)
         for name, r in data.get("peers", {}).items()
     }  # fmt: skip
     return dict(status=status, model=data.get("model_description"), peers=peers)
@@ -427,9 +430,11 @@ def markdown(data: Dict[str, Any]) -> str:
     step = parts.get("optimizer_step", {})
     if step.get("peers"):
         lines += ["", f"**Optimizer step on one GPU** ({step['model']})", "",
-                  common.md_table(["optimizer", "step ms", "/ AdamW", "optimizer state", "peak GPU memory"],
+                  common.md_table(["optimizer", "step ms", "/ AdamW", "optimizer state", "peak GPU memory",
+                                   "/ its host-device copies (CPU offload; goal <= 1.5)"],
                                   [[r["label"], r["step_ms"], r["vs_adamw"], common.human_bytes(r["state_bytes"]),
-                                    common.human_bytes(r["peak_bytes"]) if r["peak_bytes"] else None]
+                                    common.human_bytes(r["peak_bytes"]) if r["peak_bytes"] else None,
+                                    r.get("vs_copies")]
                                    for r in step["peers"].values()])]  # fmt: skip
     job = parts.get("main_job", {})
     if job.get("runs"):

@@ -203,20 +203,29 @@ def ns_tflop(opt) -> Optional[float]:
 
 
 def offload_bytes(opt) -> Optional[Dict[str, int]]:
-    """Bytes the CPU offload must move per step on this rank, each way: every offloaded
-    state to the device and back, the offloaded fp32 masters to the device (the master ->
-    model copy) and their updates back to the host (in the wire dtype)."""
+    """Bytes the CPU offload moves per step on this rank, each way: every offloaded state
+    (variance reduction's second moments too: kept on the CPU with the offload, moved to
+    the device for each stack) and the offloaded fp32 masters, staged to the device and
+    written back (they are updated and written into the model's parameters there); where
+    the storage gives no model ranges (FP8 / FP4 parameter gathers), also the masters
+    rounded to the model's 16-bit dtype on the host, which Megatron's master -> model copy
+    copies to the device."""
+    from megatron_muon.state import SECOND_MOMENT
+
     muon = getattr(opt, "muon_optimizers", None)
     if not muon or not any(o.muon.shard_states.offload for o in muon):
         return None
     h2d = d2h = 0
     for o in muon:
-        h2d += o.muon.shard_states.pool_bytes
-        d2h += o.muon.shard_states.pool_bytes
-        if o.masters_offload is not None:
-            pool = o.masters_offload.pool_bytes
-            h2d += pool
-            d2h += pool // 4 * o.config.comm_dtype.itemsize
+        moments = o.muon.owner_states.values.get(SECOND_MOMENT, {}).values()  # kept on the CPU, used on the device
+        moved = o.muon.shard_states.pool_bytes + sum(t.numel() * t.element_size() for t in moments)
+        h2d += moved
+        d2h += moved
+        offload = o.masters_offload
+        if offload is not None:
+            h2d += offload.pool_bytes
+            d2h += offload.pool_bytes
+            h2d += sum(v.numel() * 2 for r, v in zip(offload.model_ranges, offload.views) if r is None)  # 16-bit
     return dict(h2d=h2d, d2h=d2h)
 
 
@@ -652,7 +661,7 @@ def overhead_tables(data: Dict[str, Any]) -> str:
     if rates and moved:
         rows = []
         for label, ms, b in moved:
-            copy_ms = max(b["h2d"] / rates["h2d"], b["d2h"] / rates["d2h"]) / 1e6
+            copy_ms = common.copy_ms(b, rates)
             rows.append([label, common.human_bytes(b["h2d"]), common.human_bytes(b["d2h"]), copy_ms, ms, ms / copy_ms])
         out += (
             f"\nCPU offload against its copies at the measured pinned host-device rates ({rates['h2d']:.1f} GB/s to the device, "

@@ -292,9 +292,12 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
 
     * ``device_idle``: on the compute device between steps (now);
     * ``device_step_peak``: the most on the compute device during the last step (with
-      offload, the staging buffers' peak, summed over the dense and expert optimizers);
+      offload, the staging buffers' peak: one chunk's momentum, two chunks' offloaded
+      masters; summed over the dense and expert optimizers);
     * ``offloaded``: in the CPU offload pools (and CPU-kept second moments);
-    * ``largest_chunk``: one pipeline chunk's momentum on this rank (the offload's bound).
+    * ``largest_chunk``: one pipeline chunk's momentum on this rank;
+    * ``staging_bound``: the most the offload stages on the device at once: one chunk's
+      offloaded states and, with the masters offloaded, two chunks' masters.
 
     On a CPU-only machine the compute device is the CPU as well: what counts as
     "device" is every such tensor that is not in the offload pool, i.e. exactly what
@@ -304,14 +307,18 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
     muon = getattr(opt, "muon_optimizers", None)
     if muon is None:
         return None
-    out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0)
+    out = dict(device_idle=0, device_step_peak=0, offloaded=0, largest_chunk=0, staging_bound=0)
     for o in muon:
         if o.masters_offload is None:
             master_bytes = sum(m.numel() * m.element_size() for m in o.storage.float16_masters())
             out["device_idle"] += master_bytes
             out["device_step_peak"] += master_bytes
-        else:  # on the device only the shared one-element placeholder, no master values
+        else:  # between steps only the shared one-element placeholder; in a step, two chunks' staged
             out["offloaded"] += o.masters_offload.pool_bytes
+            out["device_idle"] += o.masters_offload.staging.device_bytes
+            out["device_step_peak"] += o.masters_offload.staging.peak_device_bytes
+            ranges = o.masters_offload.staging.ranges
+            out["staging_bound"] += 2 * max((sum(e - s for _, s, e in r) for r in ranges), default=0) * 4
         states = o.muon.shard_states
         momentum = [states.state[m].get(MOMENTUM) for m in states.masters if m is not None]
         momentum_bytes = sum(t.numel() * t.element_size() for t in momentum if t is not None)
@@ -327,6 +334,7 @@ def muon_state_residency(opt) -> Optional[Dict[str, int]]:
             in_pool = all(t.data_ptr() == v.data_ptr() for t, v in zip(momentum, views))
             out["device_idle"] += states.device_bytes + (0 if in_pool else momentum_bytes)
             out["device_step_peak"] += states.peak_device_bytes
+            out["staging_bound"] += chunk * len(states.names)
             out["offloaded"] += states.pool_bytes + moment_bytes
     return out
 
