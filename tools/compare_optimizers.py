@@ -38,9 +38,11 @@ import math
 import os
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -187,19 +189,62 @@ def shown(cmd: Sequence[str]) -> str:
     return shlex.join(short(t) for t in cmd)
 
 
+INTERRUPTED = threading.Event()
+"""Set by the tool's Ctrl-C handler (:func:`_interrupt`), so that a Ctrl-C is never lost."""
+
+
+def _interrupt(signum, frame) -> None:
+    """SIGINT: remembered, then raised as usual. Python swallows an exception raised where
+    it cannot propagate (in the at-fork handlers a new run's fork calls, "Exception
+    ignored in ..."); :func:`run_driver` then sees the flag."""
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def _lost_interrupt(unraisable) -> None:
+    """``sys.unraisablehook``: a Ctrl-C's KeyboardInterrupt that Python could not raise is
+    not printed as an error (:func:`run_driver` raises it again); anything else is."""
+    if not (issubclass(unraisable.exc_type, KeyboardInterrupt) and INTERRUPTED.is_set()):
+        sys.__unraisablehook__(unraisable)
+
+
+def catch_every_interrupt() -> None:
+    """The tool's Ctrl-C handling (:func:`_interrupt`, :func:`_lost_interrupt`), unless Ctrl-C
+    is ignored in this process (started in the background)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupt)
+        sys.unraisablehook = _lost_interrupt
+
+
 def run_driver(cmd: Sequence[str], log: Path) -> str:
     """Run one training, which ends with this process (killed, the study leaves no run
-    behind: torchrun's ranks end with torchrun); its output goes to ``log`` and is returned."""
+    behind: torchrun's ranks end with torchrun) or with a Ctrl-C of the tool, even one
+    Python swallowed (:data:`INTERRUPTED`); its output goes to ``log`` and is returned."""
     from megatron_muon.megatron_lm.process_lifetime import die_with_this_process
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     log.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          preexec_fn=die_with_this_process())  # fmt: skip
-    log.write_text(proc.stdout)
+    proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=die_with_this_process())  # fmt: skip
+    try:
+        while True:
+            if INTERRUPTED.is_set():
+                raise KeyboardInterrupt
+            try:
+                stdout, _ = proc.communicate(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    log.write_text(stdout)
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
     if proc.returncode != 0:
-        raise RuntimeError(f"{shown(cmd)} exited {proc.returncode}; last output:\n{proc.stdout[-3000:]}")
-    return proc.stdout
+        raise RuntimeError(f"{shown(cmd)} exited {proc.returncode}; last output:\n{stdout[-3000:]}")
+    return stdout
 
 
 def log_field(line: str, name: str) -> Optional[float]:
@@ -424,6 +469,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    catch_every_interrupt()
     try:
         sys.exit(main())
     except RuntimeError as exc:  # a training run failed: its command and last output
