@@ -258,8 +258,11 @@ def test_a_ctrl_c_python_swallowed_still_ends_the_run(tmp_path):
     tag = f"driver-{os.getpid()}-{time.monotonic_ns()}"
     env = dict(os.environ, MEGATRON_MUON_TEST_TAG=tag, PYTHONPATH=str(REPO))
     started = time.monotonic()
+    # Ctrl-C as a terminal delivers it (pytest-xdist's workers leave SIGINT ignored, and a
+    # process started so keeps it ignored: the tool then installs no handler)
     proc = subprocess.run([sys.executable, "-c", SWALLOWED_CTRL_C, str(tmp_path / "run.log")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+                          capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert proc.returncode == 130, proc.stdout + proc.stderr
     assert proc.stderr == "", proc.stderr
     assert time.monotonic() - started < 50  # not the run's 60 s
