@@ -174,8 +174,9 @@ class StepWork:
         staged: Dict[int, Tuple[int, int]] = {}
         for position, pipeline in enumerate(self.pipelines):
             if pipeline.offloaded_masters is not None:
-                pooled = {id(m) for m in pipeline.offloaded_masters.masters}
-                staged.update({id(m): (position, p) for p, m in enumerate(pipeline.masters) if id(m) in pooled})
+                staged.update(
+                    {id(pipeline.masters[p]): (position, p) for p in pipeline.offloaded_masters.staged_params}
+                )
         rest = []
         for clip in clips:
             shard_map, param, _ = clip

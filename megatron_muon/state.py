@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -469,6 +469,8 @@ class OffloadedMasters:
         self._pinned: Dict[Tuple[str, torch.dtype], torch.Tensor] = {}
         self.staging: Optional[ChunkStaging] = None
         """The chunks' ranges of the pool on the device during a step (:meth:`stage_for`)."""
+        self.staged_params: FrozenSet[int] = frozenset()
+        """The Muon params (their index in the step) whose masters are staged (:meth:`stage_for`)."""
         self._in_model: List[Optional[torch.Tensor]] = []
         """Per Muon param of the step: the model's range its master is written into."""
         self.model_written = False
@@ -482,6 +484,7 @@ class OffloadedMasters:
         pooled = {id(m): i for i, m in enumerate(self.masters)}
         index = [pooled.get(id(m)) if m is not None else None for m in masters]
         views = [self.views[i] if i is not None else None for i in index]
+        self.staged_params = frozenset(p for p, view in enumerate(views) if view is not None)
         self._in_model = [self.model_ranges[i] if i is not None else None for i in index]
         ranges = [[(p, s, e) for p, s, e, _ in msg.scatter_apply if views[p] is not None] for msg in messages]
         self.staging = ChunkStaging({MASTER: views}, ranges, self.device, buffers=2)

@@ -48,6 +48,13 @@ class PendingStepFirst:
         return self.megatron_start_param_sync(force_sync=force_sync)
 
 
+def _gathers_quantized(ddp_settings: Any) -> bool:
+    """Whether DDP gathers the parameters in FP8 / FP4 (``ddp_config``, or Megatron-LM's
+    arguments, which carry the same names): Megatron then quantizes the masters into the
+    parameter buffer instead of copying them."""
+    return bool(getattr(ddp_settings, "fp8_param_gather", False) or getattr(ddp_settings, "fp4_param_gather", False))
+
+
 class DistributedOptimizerStorage(StorageBackend):
     """Megatron's DDP buffers and distributed-optimizer masters (``--use-distributed-optimizer``)."""
 
@@ -99,7 +106,7 @@ class DistributedOptimizerStorage(StorageBackend):
                 "--overlap-grad-reduce): the step finishes as each bucket group's parameter all-gather starts, "
                 "which DDP overlaps with the forward only then"
             )
-        if any(getattr(d, "fp8_param_gather", False) or getattr(d, "fp4_param_gather", False) for d in ddp_settings):
+        if any(_gathers_quantized(d) for d in ddp_settings):
             # copy_masters_to_model(params) copies; Megatron quantizes a whole optimizer's shards at once
             return (
                 "the copy of one bucket group's masters does not quantize FP8 / FP4 parameters "
@@ -153,15 +160,10 @@ class DistributedOptimizerStorage(StorageBackend):
     def model_ranges(self, masters: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
         """Each master's range of its bucket's parameter buffer, where Megatron's copy writes
         it; None for all with FP8 / FP4 parameter gathers (Megatron quantizes the masters)."""
-        ddp = self.engine.ddp_config
-        if getattr(ddp, "fp8_param_gather", False) or getattr(ddp, "fp4_param_gather", False):
+        if _gathers_quantized(self.engine.ddp_config):
             return [None for _ in masters]
-        models = {
-            id(master): model
-            for mains, group in zip(self.engine.shard_fp32_from_float16_groups, self.engine.model_float16_groups)
-            for master, model in zip(mains, group)
-        }
-        return [self._model_range(models[id(master)]) for master in masters]
+        params = {id(shard.master): shard.param for shard in self.shard_map if shard.master is not None}
+        return [self._model_range(params[id(master)]) for master in masters]
 
     def _model_range(self, param: torch.nn.Parameter) -> torch.Tensor:
         """This rank's range of ``param`` in its bucket's parameter buffer (Megatron's
