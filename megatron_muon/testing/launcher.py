@@ -98,6 +98,9 @@ def _rank_main(
     # TimeoutError says where each rank was waiting.
     stacks = open(os.path.join(outdir, f"stacks{rank}"), "w")
     faulthandler.dump_traceback_later(max(1.0, 0.9 * collective_timeout_s), file=stacks)
+    # A rank killed by a fatal signal (a crash in a native library) writes its threads'
+    # Python stacks there too, so the report says where it died, not only that it did.
+    faulthandler.enable(file=stacks, all_threads=True)
     try:
         from megatron_muon import patching
         from megatron_muon.megatron_lm.cpu import install_cpu_patches
@@ -152,7 +155,8 @@ def _rank_main(
 
 
 def _stacks(outdir: str, ranks: List[int]) -> str:
-    """The Python stacks the hung ranks dumped (their innermost frames), for the error."""
+    """The Python stacks the hung or crashed ranks dumped, innermost frames first (as
+    faulthandler writes them), for the error."""
     parts = []
     for rank in ranks:
         try:
@@ -161,7 +165,7 @@ def _stacks(outdir: str, ranks: List[int]) -> str:
         except OSError:
             continue
         if text:
-            parts.append(f"--- rank {rank} was at:\n{text[-1500:]}")
+            parts.append(f"--- rank {rank} was at:\n{text[:4000]}")
     return "\n".join(parts)
 
 
@@ -185,10 +189,13 @@ def _failure_report(procs: List[Any], outdir: str, results: dict, world_size: in
     """Ranks that died without a result first (a signal is the likely root cause: its
     peers then fail on reset connections), then every rank's reported error."""
     lines = []
-    for r in _dead_without_result(procs, outdir, results):
+    dead = _dead_without_result(procs, outdir, results)
+    for r in dead:
         code = procs[r].exitcode
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         lines.append(f"rank {r} of {world_size} died ({how}) without reporting a result")
+    if dead:
+        lines.append(_stacks(outdir, dead))
     for r in sorted(results):
         if not results[r]["ok"]:
             lines.append(f"rank {r} of {world_size} failed:\n{results[r]['error']}")

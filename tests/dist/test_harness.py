@@ -144,6 +144,17 @@ def _hang() -> None:
     torch.distributed.barrier()
 
 
+def _crash_in_native_code_on_last_rank() -> int:
+    """The last rank dies of a segmentation fault, as a crash inside a native library
+    (gloo, a kernel) would kill it."""
+    import ctypes
+
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    torch.distributed.barrier()
+    return 0
+
+
 def _raise_on_last_rank() -> int:
     rank = torch.distributed.get_rank()
     if rank == torch.distributed.get_world_size() - 1:
@@ -323,9 +334,10 @@ def test_expert_tensor_parallel_matches_one_rank(moe_reference):
 @pytest.mark.timeout(120)
 def test_hung_rank_times_out():
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish"):
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish") as info:
         run_distributed(_hang, 2, timeout_s=5)
     assert time.monotonic() - start < 60
+    assert "in _hang" in str(info.value), "the report should say where each rank waited"
     assert not multiprocessing.active_children(), "the launcher left ranks running"
 
 
@@ -348,6 +360,18 @@ def test_a_rank_killed_by_a_signal_is_named_before_its_peers_errors():
         run_distributed(_die_by_signal_on_last_rank, 2, timeout_s=90)
     text = str(info.value)
     assert text.startswith("rank 1 of 2 died (signal SIGKILL) without reporting a result"), text[:500]
+
+
+@pytest.mark.timeout(120)
+def test_a_crashed_rank_reports_where_it_died():
+    """A rank killed by a crash in native code leaves its Python stacks (faulthandler), and
+    the report quotes them: the frame it died in, not only the signal."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_crash_in_native_code_on_last_rank, 2, timeout_s=90)
+    text = str(info.value)
+    assert text.startswith("rank 1 of 2 died (signal SIGSEGV) without reporting a result"), text[:500]
+    assert "--- rank 1 was at:" in text and "Segmentation fault" in text, text[:2000]
+    assert "in _crash_in_native_code_on_last_rank" in text, text[:2000]
 
 
 @pytest.mark.timeout(120)
