@@ -201,10 +201,19 @@ def newton_schulz(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> D
                 gram=data.get("gram", []), shapes_done=data.get("shapes_done"))  # fmt: skip
 
 
-STEP_PEERS = ("megatron_adamw", "megatron_muon_blockwise", "ours_exact_standard", "ours_exact", "ours_exact_offload")
+STEP_PEERS = (
+    "megatron_adamw",
+    "megatron_muon_blockwise",
+    "ours_exact_standard",
+    "ours_exact",
+    "ours_exact_one_chunk",
+    "ours_exact_offload",
+)
 """On one GPU (TP1) Megatron-core's blockwise Muon is exact too; ours with standard
 Newton–Schulz on every matrix (the same arithmetic as Megatron's), at its defaults (Gram NS
-where the aspect ratio favours it) and with its CPU offload (the side-stream copies at size)."""
+where the aspect ratio favours it), at its defaults as one pipeline chunk (every matrix of a
+shape in one stack: how much of the gap to the Newton–Schulz floor the default chunks'
+kernel launches cost) and with its CPU offload (the side-stream copies at size)."""
 
 
 def optimizer_step(box_s: float, work: Path, log: Path, env: Dict[str, str]) -> Dict[str, Any]:

@@ -17,7 +17,10 @@ clipping):
   Megatron's ``optimizer_cpu_offload`` (the Muon matrices' fp32 masters in a CPU pool);
   ``ours_exact_standard`` runs standard Newton–Schulz on every matrix (the iteration
   Megatron-core's Muon runs; the default, ``muon_ns_method='auto'``, takes Gram NS on a GPU
-  where the aspect ratio favours it);
+  where the aspect ratio favours it); ``ours_exact_one_chunk`` runs the whole step as one
+  pipeline chunk (``muon_chunk_numel`` above the model's size), so every matrix of a shape
+  is in one Newton–Schulz stack: on one GPU, the default's chunks against the fewest
+  kernel launches, at the cost of one chunk's buffers for the whole model;
 * ``megatron_adamw_fsdp`` and ``ours_exact_fsdp`` - the same two on Megatron-FSDP with
   ``optim_grads_params`` (ZeRO-3: parameters, gradients and optimizer state sharded over DP).
 
@@ -45,6 +48,7 @@ PEERS = (
     "ours_duplicated",
     "ours_exact_offload",
     "ours_exact_standard",
+    "ours_exact_one_chunk",
     "ours_exact_megatron_layout",
     "megatron_adamw_fsdp",
     "ours_exact_fsdp",
@@ -61,10 +65,13 @@ LABELS = {
     "ours_duplicated": "megatron_muon, duplicated",
     "ours_exact_offload": "megatron_muon, exact + CPU offload",
     "ours_exact_standard": "megatron_muon, exact, standard NS on every matrix",
+    "ours_exact_one_chunk": "megatron_muon, exact, the whole step as one chunk",
     "ours_exact_megatron_layout": "megatron_muon, exact, Megatron's byte-level buffers",
     "megatron_adamw_fsdp": "Megatron-FSDP + AdamW",
     "ours_exact_fsdp": "megatron_muon, exact, on Megatron-FSDP",
 }
+ONE_CHUNK = 2**62
+"""``muon_chunk_numel`` of ``ours_exact_one_chunk``: more than any model has."""
 FSDP_STRATEGY = "optim_grads_params"
 """Megatron-FSDP peers shard parameters, gradients and optimizer state (ZeRO-3)."""
 
@@ -182,6 +189,8 @@ def build(name: str, spec, hyper: Hyper) -> Tuple[list, list, Any, Any]:
         offload = name.endswith("_offload")
         if name.endswith("_standard"):
             chunking["muon_ns_method"] = "standard"
+        if name.endswith("_one_chunk"):
+            chunking["muon_chunk_numel"] = ONE_CHUNK
         cfg = MuonConfig(
             muon_tp_mode=_tp_mode(name),
             muon_momentum=hyper.momentum,
