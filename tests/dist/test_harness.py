@@ -148,8 +148,11 @@ def _crash_in_native_code_on_last_rank() -> int:
     """The last rank dies of a segmentation fault, as a crash inside a native library
     (gloo, a kernel) would kill it."""
     import ctypes
+    import resource
 
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        # No core file: where core dumps are on, one would land in the working directory.
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         ctypes.string_at(0)  # reads address 0: SIGSEGV
     torch.distributed.barrier()
     return 0
