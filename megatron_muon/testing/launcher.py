@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import re
 import signal
 import tempfile
 import time
@@ -154,14 +155,18 @@ def _rank_main(
         pass
 
 
+_NO_PYTHON_FRAME = re.compile(r"Thread 0x[0-9a-f]+ \(most recent call first\):\n  <no Python frame>\n*")
+"""A thread faulthandler lists without Python code (gloo's, OpenMP's): dozens in a rank."""
+
+
 def _stacks(outdir: str, ranks: List[int]) -> str:
     """The Python stacks the hung or crashed ranks dumped, innermost frames first (as
-    faulthandler writes them), for the error."""
+    faulthandler writes them, less the threads running no Python), for the error."""
     parts = []
     for rank in ranks:
         try:
             with open(os.path.join(outdir, f"stacks{rank}")) as f:
-                text = f.read().strip()
+                text = _NO_PYTHON_FRAME.sub("", f.read()).strip()
         except OSError:
             continue
         if text:
@@ -194,8 +199,9 @@ def _failure_report(procs: List[Any], outdir: str, results: dict, world_size: in
         code = procs[r].exitcode
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
         lines.append(f"rank {r} of {world_size} died ({how}) without reporting a result")
-    if dead:
-        lines.append(_stacks(outdir, dead))
+    stacks = _stacks(outdir, dead)
+    if stacks:  # a rank killed by SIGKILL wrote none
+        lines.append(stacks)
     for r in sorted(results):
         if not results[r]["ok"]:
             lines.append(f"rank {r} of {world_size} failed:\n{results[r]['error']}")
